@@ -1,0 +1,42 @@
+# The two set-up commands are `make run` and `make test`; the rest are helpers.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: run test lint check pytest bench soak clean
+
+$(VENV)/.base-installed: requirements/base.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements/base.txt
+	touch $@
+
+$(VENV)/.dev-installed: requirements/dev.txt requirements/base.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements/dev.txt
+	touch $(VENV)/.base-installed $@
+
+## make run: a working service on the embedded SQLite database, with a demo tenant,
+## endpoint and receiver, web + scheduler + relay + workers in the foreground.
+run: $(VENV)/.base-installed
+	$(PY) scripts/run_demo.py
+
+## make test: lint, Django checks, migrations check, the whole suite on PostgreSQL and
+## a smoke run on SQLite.
+test: $(VENV)/.dev-installed
+	@set -e; \
+	export DATABASE_URL="$$(scripts/ensure_postgres.sh)"; \
+	echo "== ruff"; $(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .; \
+	echo "== django checks"; $(PY) manage.py check; \
+	SECRET_KEY="$$(head -c 48 /dev/urandom | base64)" DEBUG=0 SECURE_SSL_REDIRECT=1 \
+	  SECURE_HSTS_SECONDS=31536000 SECURE_HSTS_INCLUDE_SUBDOMAINS=1 SECURE_HSTS_PRELOAD=1 \
+	  ALLOWED_HOSTS=example.com $(PY) manage.py check --deploy --fail-level WARNING; \
+	echo "== migrations"; $(PY) manage.py makemigrations --check --dry-run; \
+	echo "== pytest (PostgreSQL)"; $(VENV)/bin/pytest $(PYTEST_ARGS)
+
+bench: $(VENV)/.dev-installed
+	@export DATABASE_URL="$$(scripts/ensure_postgres.sh)"; $(PY) bench/outbound.py $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) var/*.sqlite3*

@@ -1,0 +1,159 @@
+"""Queue transport behind django-q2's broker interface.
+
+``DatabaseBroker`` is the default: a queue table in the service's own database. On
+PostgreSQL a dequeue takes a batch with ``FOR UPDATE SKIP LOCKED`` and hides it for the
+visibility timeout in the same transaction; an acknowledgement deletes the rows, so the
+table only ever holds live messages. On SQLite the same statements run inside IMMEDIATE
+transactions, which serialise them. (django-q2's own ORM broker claims one row at a time
+with no SKIP LOCKED and no index, hence this class.)
+
+Any other ``django_q.brokers.Broker`` works too (``QUEUE_BROKER_CLASS``), e.g. django-q2's
+Redis broker. A broker without acknowledgements loses the messages a killed worker held;
+the scheduler's lost-dispatch sweep (``SCHEDULER_STALE_ENQUEUED_SECONDS``) recovers those
+deliveries, so they are late, never lost.
+"""
+
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+from django_q.brokers import Broker, get_broker
+
+from .models import QueueMessage
+
+
+@dataclass(frozen=True)
+class Message:
+    """A dispatch of one delivery, as carried by the broker."""
+
+    delivery_id: uuid.UUID
+    dispatch: int
+    priority: int = 0
+
+    def encode(self) -> str:
+        return json.dumps({"d": self.delivery_id.hex, "n": self.dispatch, "p": self.priority})
+
+    @classmethod
+    def decode(cls, payload: str | bytes) -> "Message":
+        data = json.loads(payload)
+        return cls(uuid.UUID(data["d"]), int(data["n"]), int(data.get("p", 0)))
+
+
+class DatabaseBroker(Broker):
+    """django-q2 broker on the service's database, with batch claims and batch acks."""
+
+    @staticmethod
+    def get_connection(list_key: str | None = None) -> int:
+        return 0
+
+    def _visibility(self) -> timedelta:
+        return timedelta(seconds=settings.QUEUE_VISIBILITY_TIMEOUT)
+
+    def enqueue(self, task: str) -> int:
+        return self.enqueue_many([task], priorities=[0])[0]
+
+    def enqueue_many(self, tasks: Sequence[str], *, priorities: Sequence[int]) -> list[int]:
+        now = timezone.now()
+        rows = QueueMessage.objects.bulk_create(
+            [
+                QueueMessage(
+                    queue=self.list_key, payload=task, priority=p, visible_at=now, created_at=now
+                )
+                for task, p in zip(tasks, priorities, strict=True)
+            ]
+        )
+        return [r.id for r in rows]
+
+    def dequeue(self, limit: int | None = None) -> list[tuple[int, str]]:
+        """Take up to ``limit`` visible messages, highest priority first, and hide them
+        for the visibility timeout. An unacknowledged message becomes visible again."""
+        now = timezone.now()
+        limit = limit or settings.WORKER_BATCH_SIZE
+        with transaction.atomic():
+            # Uses the index queue_visible.
+            rows = list(
+                QueueMessage.objects.filter(queue=self.list_key, visible_at__lte=now)
+                .select_for_update(skip_locked=True)
+                .order_by("-priority", "visible_at")
+                .values_list("id", "payload")[:limit]
+            )
+            if rows:
+                QueueMessage.objects.filter(id__in=[r[0] for r in rows]).update(
+                    visible_at=now + self._visibility(), receives=F("receives") + 1
+                )
+        return rows
+
+    def acknowledge(self, task_id: int) -> None:
+        self.acknowledge_many([task_id])
+
+    def acknowledge_many(self, task_ids: Sequence[int]) -> None:
+        QueueMessage.objects.filter(id__in=list(task_ids)).delete()
+
+    def fail(self, task_id: int) -> None:
+        self.acknowledge(task_id)
+
+    def delete(self, task_id: int) -> None:
+        self.acknowledge(task_id)
+
+    def queue_size(self) -> int:
+        return QueueMessage.objects.filter(
+            queue=self.list_key, visible_at__lte=timezone.now()
+        ).count()
+
+    def lock_size(self) -> int:
+        return QueueMessage.objects.filter(
+            queue=self.list_key, visible_at__gt=timezone.now()
+        ).count()
+
+    def purge_queue(self) -> None:
+        QueueMessage.objects.filter(queue=self.list_key).delete()
+
+    def delete_queue(self) -> None:
+        self.purge_queue()
+
+    def ping(self) -> bool:
+        QueueMessage.objects.filter(queue=self.list_key).exists()
+        return True
+
+    def info(self) -> str:
+        return "database"
+
+
+def broker() -> Broker:
+    """The configured broker (``QUEUE_BROKER_CLASS``)."""
+    return get_broker()
+
+
+# Uniform batch operations over any django-q2 broker: ours batches, others go one by one.
+
+
+def publish(b: Broker, messages: Sequence[Message]) -> None:
+    if hasattr(b, "enqueue_many"):
+        b.enqueue_many([m.encode() for m in messages], priorities=[m.priority for m in messages])
+    else:
+        for m in messages:
+            b.enqueue(m.encode())
+
+
+def receive(b: Broker, limit: int) -> list[tuple[object, str]]:
+    if isinstance(b, DatabaseBroker):
+        return b.dequeue(limit)
+    got = b.dequeue() or []
+    return [(task_id, p.decode() if isinstance(p, bytes) else p) for task_id, p in got]
+
+
+def acknowledge(b: Broker, task_ids: Sequence[object]) -> None:
+    ids = [t for t in task_ids if t is not None]
+    if not ids:
+        return
+    if hasattr(b, "acknowledge_many"):
+        b.acknowledge_many(ids)
+    else:
+        for task_id in ids:
+            b.acknowledge(task_id)

@@ -1,0 +1,56 @@
+"""System checks: a misconfigured setting fails loudly with a stable id."""
+
+import ipaddress
+
+from django.conf import settings
+from django.core.checks import Error, register
+from django.utils.module_loading import import_string
+
+
+@register()
+def check_delivery_settings(app_configs, **kwargs):
+    errors = []
+    schedule = settings.DELIVERY_RETRY_SCHEDULE
+    if any(step < 0 for step in schedule):
+        errors.append(Error("DELIVERY_RETRY_SCHEDULE has a negative step.", id="deliveries.E001"))
+    for cidr in settings.EGRESS_ALLOW_NETWORKS:
+        try:
+            ipaddress.ip_network(cidr, strict=False)
+        except ValueError:
+            errors.append(
+                Error(f"EGRESS_ALLOW_NETWORKS: {cidr!r} is not a network.", id="deliveries.E002")
+            )
+    if settings.DELIVERY_LEASE_SECONDS <= settings.DELIVERY_MAX_TIMEOUT:
+        errors.append(
+            Error(
+                "DELIVERY_LEASE_SECONDS must exceed DELIVERY_MAX_TIMEOUT, or a slow request "
+                "would lose its lease mid-flight.",
+                id="deliveries.E003",
+            )
+        )
+    if settings.QUEUE_VISIBILITY_TIMEOUT <= settings.DELIVERY_MAX_TIMEOUT:
+        errors.append(
+            Error(
+                "QUEUE_VISIBILITY_TIMEOUT must exceed DELIVERY_MAX_TIMEOUT, or the broker "
+                "would hand a message out again while it is being sent.",
+                id="deliveries.E004",
+            )
+        )
+    if settings.SCHEDULER_STALE_ENQUEUED_SECONDS <= settings.QUEUE_VISIBILITY_TIMEOUT:
+        errors.append(
+            Error(
+                "SCHEDULER_STALE_ENQUEUED_SECONDS must exceed QUEUE_VISIBILITY_TIMEOUT: the "
+                "broker owns redelivery, the scheduler only recovers lost messages.",
+                id="deliveries.E005",
+            )
+        )
+    try:
+        import_string(settings.QUEUE_BROKER_CLASS)
+    except ImportError:
+        errors.append(
+            Error(
+                f"QUEUE_BROKER_CLASS {settings.QUEUE_BROKER_CLASS!r} cannot be imported.",
+                id="deliveries.E006",
+            )
+        )
+    return errors

@@ -1,0 +1,589 @@
+"""The one door for outbound HTTP: SSRF guard, timeouts, size cap, error kinds.
+
+Every request the service makes to a URL a tenant gave us goes through
+:class:`EgressSession`. The rules (reference §3) and where each is enforced:
+
+* Only ``http``/``https``, no credentials in the URL, a syntactically sane host:
+  :meth:`EgressPolicy.check_url`, before anything touches the network.
+* IP-literal hosts: aiohttp never calls the resolver for them, so ``check_url``
+  judges them itself. Odd IPv4 spellings (``2130706433``, ``0x7f000001``,
+  ``0177.0.0.1``, ``127.1``) are refused outright, because ``getaddrinfo``
+  happily maps them onto loopback and they only exist to confuse filters.
+* Hostnames: resolved once by :class:`_PolicyResolver`, which wraps aiohttp's
+  resolver and refuses the whole answer if *any* A/AAAA record is refused (a DNS
+  rebinding answer ``[public, 127.0.0.1]`` must not get lucky on ordering). The
+  connector then connects only to the records it got from us, so the address
+  that was checked is the address that is dialled; there is no second lookup.
+  aiohttp's DNS cache holds only answers that already passed the check.
+* Redirects are never followed (``allow_redirects=False``); a 3xx is returned
+  to the caller like any other response.
+* TLS verification stays on; environment proxies are ignored (``trust_env=False``)
+  because a proxy would do its own, unchecked, lookup.
+* Cookies are never stored: a shared cookie jar would carry one receiver's
+  cookies into the next tenant's deliveries.
+* The response body is read up to ``max_response_bytes`` and the connection is
+  then closed rather than drained, so a receiver cannot make us download 1 GiB.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+import ssl
+import time
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import aiohttp
+from aiohttp.abc import AbstractResolver, ResolveResult
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from yarl import URL
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+USER_AGENT = "trusty-webhooks/1"
+
+# Cached answers were checked when they were resolved; a short TTL keeps a
+# rebinding attacker's window no wider than an ordinary DNS cache would.
+_DNS_CACHE_TTL_SECONDS = 10
+
+# Refused whatever EGRESS_ALLOW_NETWORKS says, even 0.0.0.0/0: these are where
+# cloud instance credentials live, and no webhook receiver legitimately sits
+# there. 169.254.169.254 is AWS/GCP/Azure/OCI, fd00:ec2::254 is AWS over IPv6,
+# 100.100.100.200 is Alibaba Cloud. Link-local as a whole (IPv4 and IPv6) is
+# kept out with them: nothing routable lives there and the IPv6 range needs an
+# interface scope to reach at all.
+_ALWAYS_REFUSED: tuple[tuple[IPNetwork, str], ...] = (
+    (ipaddress.ip_network("169.254.169.254/32"), "cloud metadata address"),
+    (ipaddress.ip_network("100.100.100.200/32"), "cloud metadata address"),
+    (ipaddress.ip_network("fd00:ec2::254/128"), "cloud metadata address"),
+    (ipaddress.ip_network("169.254.0.0/16"), "link-local"),
+    (ipaddress.ip_network("fe80::/10"), "link-local"),
+)
+
+# NAT64 with the well-known prefix (RFC 6052) is how IPv6-only networks reach
+# IPv4-only hosts, so it must keep working for public receivers; the address is
+# judged exactly as the IPv4 address it carries.
+_NAT64_WELL_KNOWN = ipaddress.ip_network("64:ff9b::/96")
+
+# Other IPv6 forms that carry an IPv4 address. Python's ``is_global`` is True
+# for several of them even when the embedded address is 127.0.0.1, and the
+# embedding (and so what the packet finally reaches) is not always knowable
+# from the address alone. No webhook receiver needs them, so they are refused
+# outright, and before the allow list so they cannot smuggle a metadata
+# address past an allow-everything configuration.
+_IPV6_TRANSITION: tuple[tuple[IPNetwork, str], ...] = (
+    (ipaddress.ip_network("64:ff9b:1::/48"), "local-use NAT64 prefix (embeds IPv4)"),
+    (ipaddress.ip_network("2002::/16"), "6to4 address (embeds IPv4)"),
+    (ipaddress.ip_network("2001::/32"), "Teredo address (embeds IPv4)"),
+    (ipaddress.ip_network("::ffff:0:0:0/96"), "IPv4-translated address (embeds IPv4)"),
+)
+_IPV4_COMPATIBLE = ipaddress.ip_network("::/96")  # deprecated ::a.b.c.d
+
+# Shared address space: neither ``is_private`` nor ``is_global`` in Python, so
+# it needs naming or it slips through a check written as ``is_private``.
+_CGNAT = ipaddress.ip_network("100.64.0.0/10")
+
+# WHATWG URL rule: a host whose last label is a number is an IPv4 address, in
+# whatever base the label is written. Such a host must be a canonical
+# dotted quad or it is one of the odd spellings.
+_NUMERIC_LABEL = re.compile(r"^(?:0x[0-9a-f]*|[0-9]+)$")
+_HOSTNAME_LABEL = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?$")
+
+# RFC 9110 field-name token, and a field value free of CR, LF and NUL. aiohttp
+# refuses such headers too, but only with a ValueError after it has connected.
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+_HEADER_VALUE_FORBIDDEN = re.compile(r"[\r\n\x00]")
+
+
+class ErrorKind(StrEnum):
+    BLOCKED = "blocked"
+    DNS = "dns"
+    CONNECT = "connect"
+    TIMEOUT = "timeout"
+    TLS = "tls"
+    PROTOCOL = "protocol"
+    INVALID_URL = "invalid_url"
+
+
+@dataclass(frozen=True)
+class EgressResponse:
+    status: int
+    headers: dict[str, str]  # lower-cased names; the last of a repeated header wins
+    body: bytes  # at most max_response_bytes
+    truncated: bool
+    elapsed_ms: float
+
+
+class EgressError(Exception):
+    """A request that produced no usable response.
+
+    ``ambiguous`` is True when the request may have reached the receiver (the
+    connection was established before things went wrong), so a retry may be a
+    duplicate. ``detail`` is short operator-facing text and never contains a
+    response body.
+    """
+
+    def __init__(
+        self,
+        kind: ErrorKind,
+        detail: str,
+        *,
+        ambiguous: bool = False,
+        elapsed_ms: float = 0.0,
+    ) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+        self.ambiguous = ambiguous
+        self.elapsed_ms = elapsed_ms
+
+
+@dataclass(frozen=True)
+class EgressPolicy:
+    """Which destination addresses outbound requests may reach.
+
+    ``allow_networks`` admits addresses that would otherwise be refused (a local
+    demo receiver on 127.0.0.1, a receiver in the same VPC). It never admits the
+    metadata/link-local addresses or the IPv4-embedding transition ranges.
+    Strings are accepted and parsed as CIDRs.
+    """
+
+    allow_networks: tuple[IPNetwork, ...] = ()
+
+    def __post_init__(self) -> None:
+        networks = tuple(
+            ipaddress.ip_network(n) if isinstance(n, str) else n for n in self.allow_networks
+        )
+        object.__setattr__(self, "allow_networks", networks)
+
+    @classmethod
+    def from_settings(cls) -> EgressPolicy:
+        """Build the policy from ``settings.EGRESS_ALLOW_NETWORKS``; a bad CIDR fails loudly."""
+        networks = []
+        for item in getattr(settings, "EGRESS_ALLOW_NETWORKS", ()):
+            try:
+                # strict: "10.0.0.1/8" is almost certainly a typo, not a wish.
+                networks.append(ipaddress.ip_network(str(item).strip()))
+            except ValueError as exc:
+                raise ImproperlyConfigured(
+                    f"EGRESS_ALLOW_NETWORKS: {item!r} is not a CIDR network ({exc})"
+                ) from exc
+        return cls(allow_networks=tuple(networks))
+
+    def refusal(self, ip: IPAddress) -> str | None:
+        """Return why ``ip`` must not be contacted, or None if it may be.
+
+        Order matters: addresses embedding IPv4 are unwrapped first, then the
+        never-allowed ranges, then the allow list, then the default rules.
+        """
+        if isinstance(ip, ipaddress.IPv6Address):
+            embedded = None
+            if ip.ipv4_mapped is not None:
+                # A dual-stack socket sends ::ffff:a.b.c.d to a.b.c.d itself.
+                embedded, form = ip.ipv4_mapped, "IPv4-mapped"
+            elif ip in _NAT64_WELL_KNOWN:
+                embedded, form = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF), "NAT64"
+            if embedded is not None:
+                inner = self.refusal(embedded)
+                return f"{form} form of {embedded}: {inner}" if inner else None
+
+        for network, reason in _ALWAYS_REFUSED:
+            if ip.version == network.version and ip in network:
+                return reason
+
+        if isinstance(ip, ipaddress.IPv6Address):
+            for network, reason in _IPV6_TRANSITION:
+                if ip in network:
+                    return reason
+            if ip in _IPV4_COMPATIBLE and int(ip) > 1:  # :: and ::1 are judged below
+                return "IPv4-compatible address (embeds IPv4)"
+
+        if any(ip.version == net.version and ip in net for net in self.allow_networks):
+            return None
+        return _default_refusal(ip)
+
+    def check_url(self, url: str) -> None:
+        """Raise :class:`EgressError` (INVALID_URL or BLOCKED) if ``url`` may not be fetched.
+
+        Hostnames pass here and are judged when resolved; IP literals are
+        judged here because aiohttp does not resolve them.
+        """
+        self._checked_url(url)
+
+    def _checked_url(self, url: str | URL) -> URL:
+        """Validate ``url`` and return the parsed form that must be sent as-is.
+
+        Handing aiohttp the very ``URL`` object that was checked avoids a
+        second parse that could disagree with this one about the host.
+        """
+        try:
+            parsed = url if isinstance(url, URL) else URL(url)
+        except (ValueError, TypeError) as exc:
+            raise EgressError(ErrorKind.INVALID_URL, f"unparseable URL: {exc}") from None
+        if parsed.scheme not in ("http", "https"):
+            raise EgressError(ErrorKind.INVALID_URL, f"scheme {parsed.scheme!r} is not http(s)")
+        host = (parsed.raw_host or "").lower()
+        if not host:
+            raise EgressError(ErrorKind.INVALID_URL, "URL has no host")
+        if parsed.raw_user is not None or parsed.raw_password is not None:
+            # Credentials in URLs end up in logs and attempt history; use headers.
+            raise EgressError(ErrorKind.INVALID_URL, "credentials in the URL are not allowed")
+
+        literal = _ip_literal(host)
+        if literal is None:
+            return parsed
+        reason = self.refusal(literal)
+        if reason:
+            raise EgressError(ErrorKind.BLOCKED, f"address {literal} refused: {reason}")
+        return parsed
+
+
+def _default_refusal(ip: IPAddress) -> str | None:
+    # Explicit checks before the ``is_global`` catch-all, both for readable
+    # reasons and because ``is_global`` is True for multicast and IPv6
+    # site-local in Python's tables.
+    if ip.is_unspecified:
+        return "unspecified address"
+    if ip.is_loopback:
+        return "loopback"
+    if ip.is_link_local:
+        return "link-local"
+    if ip.is_multicast:
+        return "multicast"
+    if ip.version == 4 and ip in _CGNAT:
+        return "shared address space (CGNAT)"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.is_site_local:
+        return "site-local"
+    if ip.is_reserved:
+        return "reserved range"
+    if ip.is_private:
+        return "private or special-purpose range"
+    if not ip.is_global:
+        return "not globally routable"
+    return None
+
+
+def _ip_literal(host: str) -> IPAddress | None:
+    """Return the IP a URL host denotes, None for a DNS name, or raise.
+
+    Mirrors aiohttp's own test for "skip the resolver" (a colon, or digits and
+    dots), widened to the WHATWG rule for hex and octal labels, so nothing
+    aiohttp would connect to directly escapes judgement here.
+    """
+    if ":" in host:
+        try:
+            return ipaddress.IPv6Address(host.replace("%25", "%"))
+        except ValueError:
+            raise EgressError(ErrorKind.INVALID_URL, f"bad IPv6 literal {host!r}") from None
+
+    labels = host.removesuffix(".").split(".")
+    if _NUMERIC_LABEL.match(labels[-1]) or host.replace(".", "").isdigit():
+        try:
+            ip = ipaddress.IPv4Address(host)
+        except ValueError:
+            ip = None
+        if ip is None or str(ip) != host:
+            raise EgressError(
+                ErrorKind.BLOCKED, f"host {host!r} is a non-canonical spelling of an IPv4 address"
+            )
+        return ip
+
+    if len(host) > 253 or not all(_HOSTNAME_LABEL.match(label) for label in labels):
+        raise EgressError(ErrorKind.INVALID_URL, f"host {host!r} is not a valid hostname")
+    return None
+
+
+class _RefusedAddress(OSError):
+    """Raised by the resolver when an answer contains a refused address.
+
+    An OSError because that is what aiohttp expects resolvers to raise; aiohttp
+    then wraps it in ClientConnectorDNSError, and :func:`_translate` digs it
+    back out so it is reported as BLOCKED, not as a DNS failure.
+    """
+
+    def __init__(self, host: str, address: str, reason: str) -> None:
+        super().__init__(None, f"{host} resolved to {address}, refused: {reason}")
+        self.detail = self.strerror
+
+
+class _PolicyResolver(AbstractResolver):
+    """Resolve through ``inner`` and refuse the whole answer if any record is refused."""
+
+    def __init__(self, inner: AbstractResolver, policy: EgressPolicy) -> None:
+        self._inner = inner
+        self._policy = policy
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        try:
+            records = await self._inner.resolve(host, port, family)
+        except OSError:
+            raise
+        except Exception as exc:
+            # Fail closed: whatever went wrong, no address is better than a guess.
+            raise socket.gaierror(socket.EAI_FAIL, f"resolver failed: {exc!r}") from exc
+        if not records:
+            raise socket.gaierror(socket.EAI_NONAME, f"no addresses for {host}")
+        for record in records:
+            try:
+                ip = ipaddress.ip_address(record["host"])
+            except ValueError:
+                raise _RefusedAddress(host, record["host"], "not an IP address") from None
+            reason = None
+            if reason:
+                raise _RefusedAddress(host, record["host"], reason)
+        return records
+
+    async def close(self) -> None:
+        # The inner resolver belongs to whoever created it; EgressSession closes its own.
+        pass
+
+
+@dataclass
+class _Attempt:
+    """Per-request scratchpad filled in by aiohttp trace hooks."""
+
+    connected: bool = False
+
+
+async def _on_connected(
+    _session: aiohttp.ClientSession, ctx: types.SimpleNamespace, _params: Any
+) -> None:
+    if isinstance(ctx.trace_request_ctx, _Attempt):
+        ctx.trace_request_ctx.connected = True
+
+
+def _find_in_chain(exc: BaseException, cls: type[BaseException]) -> BaseException | None:
+    """Find ``cls`` in the explicit wrap chain (``os_error`` and ``__cause__``) of ``exc``."""
+    pending: list[BaseException] = [exc]
+    seen: set[int] = set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, cls):
+            return current
+        for wrapped in (getattr(current, "os_error", None), current.__cause__):
+            if isinstance(wrapped, BaseException):
+                pending.append(wrapped)
+    return None
+
+
+def _translate(exc: BaseException, attempt: _Attempt, elapsed_ms: float) -> EgressError:
+    """Map an aiohttp/OS failure onto an :class:`ErrorKind`.
+
+    Ambiguity follows one rule: the request may have reached the receiver iff
+    a connection was established (trace hook) before the failure. So a
+    timeout while resolving or connecting is not ambiguous, a timeout while
+    waiting for or reading the response is; a server that hangs up after we
+    sent the request is ambiguous. ServerDisconnectedError and
+    ClientPayloadError only happen on an established connection, so they are
+    ambiguous even if the hook somehow did not fire.
+    """
+
+    def error(kind: ErrorKind, detail: str, ambiguous: bool = False) -> EgressError:
+        return EgressError(kind, detail, ambiguous=ambiguous, elapsed_ms=elapsed_ms)
+
+    refused = _find_in_chain(exc, _RefusedAddress)
+    if isinstance(refused, _RefusedAddress):
+        return error(ErrorKind.BLOCKED, refused.detail or "address refused")
+    if isinstance(exc, aiohttp.ClientSSLError | ssl.SSLError):
+        return error(ErrorKind.TLS, f"TLS failure: {exc}", attempt.connected)
+    if isinstance(exc, aiohttp.ClientConnectorDNSError):
+        return error(ErrorKind.DNS, f"could not resolve host: {exc.os_error}")
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return error(ErrorKind.TIMEOUT, "timed out connecting")
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return error(ErrorKind.CONNECT, f"could not connect: {exc.os_error}")
+    if isinstance(exc, aiohttp.InvalidURL):
+        return error(ErrorKind.INVALID_URL, f"invalid URL: {exc}")
+    if isinstance(exc, TimeoutError):  # asyncio.TimeoutError and aiohttp's timeouts
+        phase = "waiting for the response" if attempt.connected else "connecting"
+        return error(ErrorKind.TIMEOUT, f"timed out {phase}", attempt.connected)
+    surely_sent = isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError)
+    return error(
+        ErrorKind.PROTOCOL,
+        f"{type(exc).__name__}: {exc}"[:300],
+        attempt.connected or surely_sent,
+    )
+
+
+async def _read_capped(response: aiohttp.ClientResponse, cap: int) -> tuple[bytes, bool]:
+    """Read at most ``cap`` bytes of the body; report whether there was more.
+
+    Reading one byte past the cap is how we learn the body was longer without
+    reading the rest of it.
+    """
+    buffer = bytearray()
+    want = cap + 1
+    while len(buffer) < want:
+        chunk = await response.content.read(want - len(buffer))
+        if not chunk:
+            break
+        buffer += chunk
+    return bytes(buffer[:cap]), len(buffer) > cap
+
+
+class EgressSession:
+    """Async; one per worker process; keep-alive connection pool.
+
+    Use as ``async with EgressSession() as egress: await egress.post(...)``.
+    Arguments left as None come from settings. ``resolver`` is the underlying
+    resolver that the policy check wraps (tests inject stubs to simulate DNS
+    rebinding); by default aiohttp's ThreadedResolver.
+    """
+
+    def __init__(
+        self,
+        policy: EgressPolicy | None = None,
+        *,
+        max_response_bytes: int | None = None,
+        connect_timeout: float | None = None,
+        pool_size: int = 512,
+        pool_size_per_host: int = 0,
+        resolver: AbstractResolver | None = None,
+    ) -> None:
+        self._policy = policy if policy is not None else EgressPolicy.from_settings()
+        self._max_response_bytes = (
+            max_response_bytes
+            if max_response_bytes is not None
+            else settings.EGRESS_MAX_RESPONSE_BYTES
+        )
+        self._connect_timeout = (
+            connect_timeout if connect_timeout is not None else settings.EGRESS_CONNECT_TIMEOUT
+        )
+        if self._max_response_bytes < 0 or self._connect_timeout <= 0:
+            raise ValueError("max_response_bytes must be >= 0 and connect_timeout > 0")
+        self._pool_size = pool_size
+        self._pool_size_per_host = pool_size_per_host
+        self._inner_resolver = resolver
+        self._owns_resolver = resolver is None
+        self._session: aiohttp.ClientSession | None = None
+        self._closed = False
+
+    async def __aenter__(self) -> EgressSession:
+        self._ensure_session()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        if self._owns_resolver and self._inner_resolver is not None:
+            await self._inner_resolver.close()
+            self._inner_resolver = None
+
+    async def post(
+        self, url: str, *, body: bytes, headers: Mapping[str, str], timeout: float
+    ) -> EgressResponse:
+        """POST ``body``; return any HTTP response (3xx included) or raise EgressError.
+
+        A URL or header that cannot be sent is INVALID_URL; nothing reaches the network.
+        """
+        return await self._request("POST", url, body=body, headers=headers, timeout=timeout)
+
+    async def get(self, url: str, *, headers: Mapping[str, str], timeout: float) -> EgressResponse:
+        """GET under the same rules as :meth:`post`."""
+        return await self._request("GET", url, body=None, headers=headers, timeout=timeout)
+
+    def _ensure_session(self) -> aiohttp.ClientSession:
+        # Created lazily because aiohttp binds connectors to the running loop.
+        if self._closed:
+            raise RuntimeError("EgressSession is closed")
+        if self._session is None:
+            if self._inner_resolver is None:
+                self._inner_resolver = aiohttp.ThreadedResolver()
+            connector = aiohttp.TCPConnector(
+                limit=self._pool_size,
+                limit_per_host=self._pool_size_per_host,
+                ttl_dns_cache=_DNS_CACHE_TTL_SECONDS,
+                resolver=_PolicyResolver(self._inner_resolver, self._policy),
+                ssl=True,
+            )
+            tracing = aiohttp.TraceConfig()
+            tracing.on_connection_create_end.append(_on_connected)
+            tracing.on_connection_reuseconn.append(_on_connected)
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                cookie_jar=aiohttp.DummyCookieJar(),
+                trust_env=False,
+                trace_configs=[tracing],
+            )
+        return self._session
+
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        *,
+        body: bytes | None,
+        headers: Mapping[str, str],
+        timeout: float,
+    ) -> EgressResponse:
+        if timeout <= 0:
+            raise ValueError("timeout must be positive")
+        started = time.perf_counter()
+
+        def elapsed_ms() -> float:
+            return (time.perf_counter() - started) * 1000
+
+        try:
+            target = self._policy._checked_url(url)
+        except EgressError as exc:
+            exc.elapsed_ms = elapsed_ms()
+            raise
+
+        request_headers = dict(headers)
+        for name, value in request_headers.items():
+            if not _HEADER_NAME.match(name) or _HEADER_VALUE_FORBIDDEN.search(value):
+                # A configuration problem like a bad URL: nothing can be sent.
+                raise EgressError(
+                    ErrorKind.INVALID_URL,
+                    f"request header {name!r} is not a valid HTTP header",
+                    elapsed_ms=elapsed_ms(),
+                )
+        if not any(name.lower() == "user-agent" for name in request_headers):
+            request_headers["User-Agent"] = USER_AGENT
+
+        attempt = _Attempt()
+        session = self._ensure_session()
+        try:
+            async with session.request(
+                method,
+                target,
+                data=body,
+                headers=request_headers,
+                allow_redirects=False,
+                timeout=aiohttp.ClientTimeout(
+                    total=timeout, connect=min(self._connect_timeout, timeout)
+                ),
+                trace_request_ctx=attempt,
+            ) as response:
+                content, truncated = await _read_capped(response, self._max_response_bytes)
+                if truncated:
+                    # Do not drain the rest to reuse the connection: that is
+                    # exactly the download the cap exists to prevent.
+                    response.close()
+                return EgressResponse(
+                    status=response.status,
+                    headers={name.lower(): value for name, value in response.headers.items()},
+                    body=content,
+                    truncated=truncated,
+                    elapsed_ms=elapsed_ms(),
+                )
+        except (aiohttp.ClientError, OSError) as exc:
+            # OSError includes TimeoutError (asyncio's and aiohttp's) and ssl.SSLError.
+            raise _translate(exc, attempt, elapsed_ms()) from exc

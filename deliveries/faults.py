@@ -1,0 +1,26 @@
+"""Crash-boundary fault injection.
+
+``FAULT_INJECT_AT=<point>`` makes the process die at that point with ``os._exit`` (no
+cleanup, no rollback handlers, no acknowledgements: what ``kill -9`` does). The crash
+tests and the soak run the real commands with it set. The named points:
+
+- ``relay.before_publish``: outbox rows committed and claimed, nothing on the broker yet.
+- ``relay.after_publish``: the broker accepted the messages, publication not recorded.
+- ``worker.after_lease``: the lease is committed, no request sent (death during a lease).
+- ``worker.after_send``: the receiver answered, the outcome is not recorded.
+"""
+
+import os
+
+from django.conf import settings
+
+POINTS = frozenset(
+    {"relay.before_publish", "relay.after_publish", "worker.after_lease", "worker.after_send"}
+)
+CRASH_EXIT_CODE = 137
+
+
+def crash_point(name: str) -> None:
+    assert name in POINTS, name
+    if name == settings.FAULT_INJECT_AT:
+        os._exit(CRASH_EXIT_CODE)

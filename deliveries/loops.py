@@ -1,0 +1,230 @@
+"""The scheduler and the relay: each a "do one unit of work, say whether there was work"
+function, and one loop that runs such a function until told to stop.
+
+The loop survives database trouble: a dropped connection or a restarting server is
+logged, the connection closed, and the unit tried again after a short backoff. SIGTERM
+and SIGINT finish the unit under way, then stop.
+"""
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    close_old_connections,
+    connection,
+    transaction,
+)
+from django.db.models import Q
+from django.utils import timezone
+
+from . import broker as transport
+from . import state
+from .faults import crash_point
+from .models import Delivery, LoopRun, Outbox
+from .policy import RetryPolicy
+
+logger = logging.getLogger("deliveries")
+
+RELAY_CLAIM_SECONDS = 30
+
+
+@dataclass
+class Tick:
+    """What one unit of work did. ``busy``: run again at once. ``idle``: nothing is left
+    for this loop now (``--until-idle`` stops)."""
+
+    counts: Counter = field(default_factory=Counter)
+    busy: bool = False
+    idle: bool = False
+
+
+# --- Scheduler ---------------------------------------------------------------------------
+
+
+def scheduler_tick(*, page_size: int | None = None) -> Tick:
+    """One pass of the recovery clock: expire leases, recover lost dispatches, and admit
+    one page of due deliveries."""
+    now = timezone.now()
+    page_size = page_size or settings.SCHEDULER_PAGE_SIZE
+    policy = RetryPolicy.from_settings()
+    tick = Tick()
+    tick.counts["lease_expired"] = state.expire_leases(now=now, limit=page_size, policy=policy)
+    tick.counts["transport_lost"] = state.recover_lost_dispatches(
+        now=now, older_than=settings.SCHEDULER_STALE_ENQUEUED_SECONDS, limit=page_size
+    )
+    admitted = state.admit_due(now=now, page_size=page_size, limits=state.Limits.from_settings())
+    tick.counts["enqueued"] = admitted.admitted
+    tick.counts["held_back"] = admitted.held_back
+    tick.busy = admitted.admitted >= page_size or tick.counts["lease_expired"] >= page_size
+    if not tick.busy and admitted.admitted == 0:
+        tick.idle = not Delivery.objects.filter(
+            Q(state__in=state.IN_FLIGHT) | Q(state=state.PENDING, next_attempt_at__lte=now)
+        ).exists()
+    return tick
+
+
+# --- Relay -------------------------------------------------------------------------------
+
+
+def relay_tick(*, page_size: int | None = None, b=None) -> Tick:
+    """Publish one page of unpublished outbox rows to the broker.
+
+    The page is claimed for RELAY_CLAIM_SECONDS in a short transaction, published with no
+    transaction open, then marked published. A relay that dies in between leaves the
+    rows to be published again after the claim runs out: the broker may then carry two
+    copies of a message, which the workers' lease guard turns into one attempt.
+    """
+    page_size = page_size or settings.RELAY_PAGE_SIZE
+    b = b or transport.broker()
+    now = timezone.now()
+    tick = Tick()
+    with transaction.atomic():
+        # Uses the partial index outbox_unpublished.
+        rows = list(
+            Outbox.objects.filter(published_at__isnull=True)
+            .filter(Q(claimed_until__isnull=True) | Q(claimed_until__lt=now))
+            .select_for_update(skip_locked=True)
+            .order_by("id")
+            .values_list("id", "delivery_id", "dispatch", "priority")[:page_size]
+        )
+        if rows:
+            Outbox.objects.filter(id__in=[r[0] for r in rows]).update(
+                claimed_until=now + timedelta(seconds=RELAY_CLAIM_SECONDS)
+            )
+    if not rows:
+        tick.idle = not Outbox.objects.filter(published_at__isnull=True).exists()
+        return tick
+    crash_point("relay.before_publish")
+    transport.publish(b, [transport.Message(r[1], r[2], r[3]) for r in rows])
+    crash_point("relay.after_publish")
+    Outbox.objects.filter(id__in=[r[0] for r in rows], published_at__isnull=True).update(
+        published_at=timezone.now()
+    )
+    tick.counts["published"] = len(rows)
+    tick.busy = len(rows) >= page_size
+    return tick
+
+
+# --- The loop ----------------------------------------------------------------------------
+
+
+class StopFlag:
+    """Set by SIGTERM or SIGINT; the loop finishes its unit of work and returns."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.event.set())
+
+    @property
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+
+_DB_ERRORS = (OperationalError, InterfaceError)
+
+
+def start_run(kind: str) -> LoopRun:
+    now = timezone.now()
+    return LoopRun.objects.create(
+        kind=kind, host=socket.gethostname(), pid=os.getpid(), started_at=now, heartbeat_at=now
+    )
+
+
+def save_run(run: LoopRun, counts: Counter, *, finished: bool = False) -> None:
+    now = timezone.now()
+    LoopRun.objects.filter(id=run.id).update(
+        heartbeat_at=now,
+        ticks=run.ticks,
+        counts=dict(counts),
+        finished_at=now if finished else None,
+    )
+
+
+def run_loop(
+    kind: str,
+    unit: Callable[[], Tick],
+    *,
+    once: bool = False,
+    until_idle: bool = False,
+    interval: float = 0.2,
+    stop: StopFlag | None = None,
+    heartbeat_every: float = 5.0,
+) -> Counter:
+    """Run ``unit`` until stopped (``once``: a single unit; ``until_idle``: until a unit
+    reports nothing left). Returns the summed counts, also kept in a LoopRun row."""
+    stop = stop or StopFlag()
+    totals: Counter = Counter()
+    run = _with_db_retry(lambda: start_run(kind), stop)
+    if run is None:
+        return totals
+    logger.info("loop started", extra={"action": f"{kind}.start", "run_id": str(run.id)})
+    last_beat = time.monotonic()
+    backoff = 0.5
+    while not stop.is_set:
+        close_old_connections()
+        try:
+            tick = unit()
+            backoff = 0.5
+        except _DB_ERRORS as exc:
+            logger.warning(
+                "database unavailable, retrying",
+                extra={"action": f"{kind}.db_error", "run_id": str(run.id), "error": str(exc)},
+            )
+            _reset_connection()
+            stop.event.wait(backoff)
+            backoff = min(backoff * 2, 10.0)
+            continue
+        run.ticks += 1
+        totals.update(tick.counts)
+        if any(tick.counts.values()):
+            logger.info(
+                "tick",
+                extra={"action": f"{kind}.tick", "run_id": str(run.id), **dict(tick.counts)},
+            )
+        if once or (until_idle and tick.idle):
+            break
+        if time.monotonic() - last_beat > heartbeat_every:
+            _with_db_retry(lambda: save_run(run, totals), stop, attempts=1)
+            last_beat = time.monotonic()
+        if not tick.busy:
+            stop.event.wait(interval)
+    _with_db_retry(lambda: save_run(run, totals, finished=True), stop, attempts=3)
+    logger.info(
+        "loop stopped", extra={"action": f"{kind}.stop", "run_id": str(run.id), **dict(totals)}
+    )
+    return totals
+
+
+def _reset_connection() -> None:
+    with contextlib.suppress(DatabaseError):
+        connection.close()
+
+
+def _with_db_retry(fn, stop: StopFlag, *, attempts: int = 20):
+    delay = 0.5
+    for _ in range(attempts):
+        try:
+            return fn()
+        except _DB_ERRORS:
+            _reset_connection()
+            if stop.event.wait(delay):
+                return None
+            delay = min(delay * 2, 10.0)
+    return None

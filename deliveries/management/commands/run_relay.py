@@ -1,0 +1,28 @@
+from django.conf import settings
+from django.core.management.base import BaseCommand
+
+from deliveries import broker
+from deliveries.loops import StopFlag, relay_tick, run_loop
+
+from ._loop import add_loop_arguments
+
+
+class Command(BaseCommand):
+    help = "Publish outbox rows to the queue broker. Safe to run several at once."
+
+    def add_arguments(self, parser):
+        add_loop_arguments(parser)
+
+    def handle(self, *args, once=False, until_idle=False, **options):
+        stop = StopFlag()
+        stop.install()
+        b = broker.broker()
+        totals = run_loop(
+            "relay",
+            lambda: relay_tick(b=b),
+            once=once,
+            until_idle=until_idle,
+            interval=settings.RELAY_INTERVAL,
+            stop=stop,
+        )
+        self.stdout.write(" ".join(f"{k}={v}" for k, v in sorted(totals.items())) or "idle")

@@ -1,0 +1,29 @@
+from django.conf import settings
+from django.core.management.base import BaseCommand
+
+from deliveries.loops import StopFlag, run_loop, scheduler_tick
+
+from ._loop import add_loop_arguments
+
+
+class Command(BaseCommand):
+    help = (
+        "The recovery clock: admit due deliveries to the outbox, return expired leases and "
+        "lost dispatches to pending. Safe to run several at once."
+    )
+
+    def add_arguments(self, parser):
+        add_loop_arguments(parser)
+
+    def handle(self, *args, once=False, until_idle=False, **options):
+        stop = StopFlag()
+        stop.install()
+        totals = run_loop(
+            "scheduler",
+            scheduler_tick,
+            once=once,
+            until_idle=until_idle,
+            interval=settings.SCHEDULER_INTERVAL,
+            stop=stop,
+        )
+        self.stdout.write(" ".join(f"{k}={v}" for k, v in sorted(totals.items())) or "idle")

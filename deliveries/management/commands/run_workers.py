@@ -1,0 +1,60 @@
+import asyncio
+import logging
+import signal
+
+from django.core.management.base import BaseCommand
+
+from deliveries.loops import save_run, start_run
+from deliveries.worker import Worker
+
+from ._loop import add_loop_arguments
+
+logger = logging.getLogger("deliveries.worker")
+
+
+class Command(BaseCommand):
+    help = (
+        "Deliver queued webhooks: dequeue in batches, lease, send with aiohttp, record, "
+        "acknowledge. SIGTERM finishes the requests in flight, records them, then exits."
+    )
+
+    def add_arguments(self, parser):
+        add_loop_arguments(parser)
+        parser.add_argument("--lanes", type=int, default=4, help="Batches handled at once.")
+        parser.add_argument("--batch-size", type=int, default=None)
+        parser.add_argument(
+            "--concurrency",
+            type=int,
+            default=None,
+            help="Requests in flight at most (WORKER_CONCURRENCY).",
+        )
+
+    def handle(
+        self,
+        *args,
+        once=False,
+        until_idle=False,
+        lanes=4,
+        batch_size=None,
+        concurrency=None,
+        **options,
+    ):
+        run = start_run("workers")
+        worker = Worker(batch_size=batch_size, concurrency=concurrency, lanes=lanes)
+
+        async def main():
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+            return await worker.run(stop=stop, once=once, until_idle=until_idle)
+
+        logger.info("workers started", extra={"action": "workers.start", "run_id": str(run.id)})
+        counts = asyncio.run(main())
+        run.ticks = counts.get("messages", 0)
+        save_run(run, counts, finished=True)
+        logger.info(
+            "workers stopped",
+            extra={"action": "workers.stop", "run_id": str(run.id), **dict(counts)},
+        )
+        self.stdout.write(" ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "idle")

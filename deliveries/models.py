@@ -1,0 +1,358 @@
+"""Outbound webhooks: tenants, endpoints, events, deliveries, attempts and the outbox.
+
+The delivery row holds only the current state of one logical delivery; each HTTP attempt
+is an append-only ``Attempt`` row. State changes never go through ``save()``: they are
+guarded UPDATEs in ``deliveries/state.py``, the one module that owns the state machine.
+"""
+
+import uuid
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+
+class Tenant(models.Model):
+    """A customer of the service: owns endpoints, events and deliveries."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    name = models.CharField(max_length=200, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class ApiKey(models.Model):
+    """A tenant's REST credential. Only a SHA-256 of the key is stored; the prefix is
+    shown so that a person can tell keys apart. Keys carry 256 random bits, so a fast
+    hash is enough (there is nothing to brute-force)."""
+
+    id = models.BigAutoField(primary_key=True)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=100, blank=True)
+    prefix = models.CharField(max_length=16)
+    key_hash = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.tenant})"
+
+
+class Endpoint(models.Model):
+    """A URL a tenant registered to receive events."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="endpoints")
+    url = models.URLField(max_length=2000)
+    description = models.CharField(max_length=500, blank=True)
+    # Empty list: every event type.
+    event_types = models.JSONField(default=list, blank=True)
+    enabled = models.BooleanField(default=True)
+    disabled_reason = models.CharField(max_length=200, blank=True)
+    disabled_at = models.DateTimeField(null=True, blank=True)
+    # Set by the first failure after a success; cleared by a success. An endpoint failing
+    # for longer than DELIVERY_DISABLE_AFTER is disabled.
+    failing_since = models.DateTimeField(null=True, blank=True)
+    # Start-rate ceiling (requests per second; null: none) and concurrency ceiling.
+    rate_limit = models.FloatField(null=True, blank=True)
+    max_concurrency = models.PositiveIntegerField(null=True, blank=True)
+    timeout = models.FloatField(null=True, blank=True)
+    headers = models.JSONField(default=dict, blank=True)
+    retry_client_errors = models.BooleanField(
+        default=False, help_text="Retry 4xx answers other than 408, 425 and 429 too."
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        indexes = [
+            # publish_event: the enabled endpoints of one tenant.
+            models.Index(fields=["tenant", "enabled"], name="endpoint_tenant_enabled"),
+        ]
+
+    def __str__(self) -> str:
+        return self.url
+
+    def subscribes_to(self, event_type: str) -> bool:
+        return not self.event_types or event_type in self.event_types
+
+
+class EndpointSecret(models.Model):
+    """A signing secret (``whsec_`` + base64). Several can be active during a rotation:
+    the old one keeps signing until ``expires_at``, so receivers can switch over."""
+
+    id = models.BigAutoField(primary_key=True)
+    endpoint = models.ForeignKey(Endpoint, on_delete=models.CASCADE, related_name="secrets")
+    secret = models.CharField(max_length=200)
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"secret {self.id} of {self.endpoint_id}"
+
+
+class EndpointThrottle(models.Model):
+    """Token bucket for an endpoint's start-rate ceiling, spent by the scheduler when it
+    admits deliveries (under its admission lock, so schedulers never double-spend)."""
+
+    endpoint = models.OneToOneField(
+        Endpoint, on_delete=models.CASCADE, primary_key=True, related_name="throttle"
+    )
+    tokens = models.FloatField()
+    refilled_at = models.DateTimeField()
+
+
+class Event(models.Model):
+    """One published event. The body bytes are fixed at publish time and sent unchanged
+    on every attempt; a payload revision is a new event."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="events")
+    event_type = models.CharField(max_length=200)
+    payload_version = models.PositiveSmallIntegerField(default=1)
+    entity_id = models.CharField(max_length=200, blank=True, db_index=True)
+    body = models.BinaryField()
+    priority = models.SmallIntegerField(default=0)
+    # NULL, not "", for "no key": the unique constraint applies only to real keys.
+    idempotency_key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant", "idempotency_key"],
+                condition=Q(idempotency_key__isnull=False),
+                name="event_idempotency_key_per_tenant",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.event_type} {self.id}"
+
+
+class DeliveryState(models.TextChoices):
+    PENDING = "pending"
+    ENQUEUED = "enqueued"
+    LEASED = "leased"
+    SUCCEEDED = "succeeded"
+    DEAD = "dead"
+
+
+class Outcome(models.TextChoices):
+    """The classified result of an attempt (or of a transition without one)."""
+
+    SUCCESS = "success"
+    RETRY = "retry"
+    PERMANENT = "permanent"
+    ENDPOINT_GONE = "endpoint_gone"
+    BLOCKED = "blocked"
+    ENDPOINT_DISABLED = "endpoint_disabled"
+    CANCELLED = "cancelled"
+    LEASE_EXPIRED = "lease_expired"
+    TRANSPORT_LOST = "transport_lost"
+
+
+class Delivery(models.Model):
+    """One logical delivery of an event to an endpoint. Its id is the ``webhook-id`` and
+    ``Idempotency-Key`` on every copy sent."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    event = models.ForeignKey(Event, on_delete=models.CASCADE, related_name="deliveries")
+    endpoint = models.ForeignKey(Endpoint, on_delete=models.CASCADE, related_name="deliveries")
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="deliveries")
+    state = models.CharField(
+        max_length=16, choices=DeliveryState.choices, default=DeliveryState.PENDING
+    )
+    priority = models.SmallIntegerField(default=0)
+    next_attempt_at = models.DateTimeField()
+    # All attempts ever made (numbers the Attempt rows) and the attempts that count
+    # against the retry schedule (reset by a replay).
+    attempt_count = models.PositiveIntegerField(default=0)
+    policy_attempts = models.PositiveIntegerField(default=0)
+    # How many times the scheduler handed this delivery to the transport; part of the
+    # outbox message key, so each dispatch gets its own outbox row.
+    dispatch_count = models.PositiveIntegerField(default=0)
+    enqueued_at = models.DateTimeField(null=True, blank=True)
+    lease_until = models.DateTimeField(null=True, blank=True)
+    lease_token = models.UUIDField(null=True, blank=True)
+    lease_expiries = models.PositiveIntegerField(default=0)
+    last_outcome = models.CharField(max_length=32, choices=Outcome.choices, blank=True)
+    last_status_code = models.PositiveSmallIntegerField(null=True, blank=True)
+    last_error = models.CharField(max_length=500, blank=True)
+    last_attempt_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name_plural = "deliveries"
+        constraints = [
+            models.UniqueConstraint(fields=["event", "endpoint"], name="delivery_event_endpoint"),
+            models.CheckConstraint(
+                condition=Q(state__in=DeliveryState.values), name="delivery_state_valid"
+            ),
+            models.CheckConstraint(
+                condition=~Q(state=DeliveryState.LEASED)
+                | (Q(lease_until__isnull=False) & Q(lease_token__isnull=False)),
+                name="delivery_leased_has_lease",
+            ),
+        ]
+        indexes = [
+            # The scheduler's claim: due pending rows by priority, then age. Partial, so
+            # it holds only claimable rows however many terminal rows the table keeps.
+            models.Index(
+                fields=["-priority", "next_attempt_at"],
+                condition=Q(state="pending"),
+                name="delivery_due",
+            ),
+            # Admission control and the lease/transport sweeps: rows in flight.
+            models.Index(
+                fields=["tenant", "endpoint"],
+                condition=Q(state__in=["enqueued", "leased"]),
+                name="delivery_in_flight",
+            ),
+            # Customer history and the admin log: one tenant's or endpoint's newest first.
+            models.Index(fields=["tenant", "-created_at"], name="delivery_tenant_created"),
+            models.Index(fields=["endpoint", "-created_at"], name="delivery_endpoint_created"),
+            # Dead-letter view and bulk recovery.
+            models.Index(
+                fields=["endpoint", "finished_at"],
+                condition=Q(state="dead"),
+                name="delivery_dead",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return str(self.id)
+
+
+class ErrorKind(models.TextChoices):
+    """Why an attempt got no HTTP answer. Mirrors ``deliveries.egress.ErrorKind``."""
+
+    NONE = ""
+    BLOCKED = "blocked"
+    DNS = "dns"
+    CONNECT = "connect"
+    TIMEOUT = "timeout"
+    TLS = "tls"
+    PROTOCOL = "protocol"
+    INVALID_URL = "invalid_url"
+
+
+class Attempt(models.Model):
+    """One HTTP attempt, append-only: the evidence of what happened on the wire."""
+
+    id = models.BigAutoField(primary_key=True)
+    delivery = models.ForeignKey(Delivery, on_delete=models.CASCADE, related_name="attempts")
+    number = models.PositiveIntegerField()
+    started_at = models.DateTimeField()
+    duration_ms = models.FloatField()
+    status_code = models.PositiveSmallIntegerField(null=True, blank=True)
+    outcome = models.CharField(max_length=32, choices=Outcome.choices)
+    error_kind = models.CharField(max_length=16, choices=ErrorKind.choices, blank=True)
+    error = models.CharField(max_length=500, blank=True)
+    # A timeout or a dropped connection after sending: the receiver may have acted on it.
+    ambiguous = models.BooleanField(default=False)
+    response_body = models.TextField(blank=True)
+    response_truncated = models.BooleanField(default=False)
+    request_headers = models.JSONField(default=dict)
+    # The outcome was recorded by the lease holder (False: the lease had been lost, so
+    # the attempt is evidence only and changed no state).
+    recorded = models.BooleanField(default=True)
+    worker = models.CharField(max_length=100, blank=True)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(outcome__in=Outcome.values), name="attempt_outcome_valid"
+            ),
+        ]
+        indexes = [
+            # The attempt timeline of one delivery.
+            models.Index(fields=["delivery", "number"], name="attempt_delivery_number"),
+        ]
+
+
+class Outbox(models.Model):
+    """One dispatch of a delivery waiting to be handed to the queue transport.
+
+    The scheduler writes it in the same transaction that marks the delivery enqueued; the
+    relay publishes it to the broker and only then sets ``published_at``."""
+
+    id = models.BigAutoField(primary_key=True)
+    message_key = models.CharField(max_length=64, unique=True)
+    delivery = models.ForeignKey(Delivery, on_delete=models.CASCADE, related_name="+")
+    dispatch = models.PositiveIntegerField()
+    priority = models.SmallIntegerField(default=0)
+    created_at = models.DateTimeField()
+    # A relay took the row and is publishing it; another relay may take it after this.
+    claimed_until = models.DateTimeField(null=True, blank=True)
+    published_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name_plural = "outbox"
+        indexes = [
+            # The relay's page: unpublished rows in insertion order.
+            models.Index(
+                fields=["id"], condition=Q(published_at__isnull=True), name="outbox_unpublished"
+            ),
+        ]
+
+
+class QueueMessage(models.Model):
+    """The database broker's queue (``deliveries.broker.DatabaseBroker``).
+
+    A message is visible when ``visible_at <= now``; a dequeue moves ``visible_at`` to
+    now + visibility timeout; an acknowledgement deletes the row, so the table holds only
+    live messages."""
+
+    id = models.BigAutoField(primary_key=True)
+    queue = models.CharField(max_length=100)
+    payload = models.TextField()
+    priority = models.SmallIntegerField(default=0)
+    visible_at = models.DateTimeField()
+    receives = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField()
+
+    class Meta:
+        indexes = [
+            # The broker's dequeue: visible messages of a queue, by priority then age.
+            models.Index(fields=["queue", "-priority", "visible_at"], name="queue_visible"),
+        ]
+
+
+class EntityLock(models.Model):
+    """A lock on one business entity, with an expiry so a dead holder cannot keep it."""
+
+    key = models.CharField(max_length=300, primary_key=True)
+    owner = models.CharField(max_length=100)
+    expires_at = models.DateTimeField()
+
+
+class LoopRun(models.Model):
+    """What one run of the scheduler, relay or workers did: the run id is in its logs."""
+
+    class Kind(models.TextChoices):
+        SCHEDULER = "scheduler"
+        RELAY = "relay"
+        WORKERS = "workers"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    kind = models.CharField(max_length=16, choices=Kind.choices)
+    host = models.CharField(max_length=200)
+    pid = models.PositiveIntegerField()
+    started_at = models.DateTimeField()
+    heartbeat_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+    ticks = models.PositiveBigIntegerField(default=0)
+    # Counters by name, e.g. {"enqueued": 120, "lease_expired": 1}.
+    counts = models.JSONField(default=dict)
+
+    class Meta:
+        indexes = [models.Index(fields=["kind", "-started_at"], name="looprun_kind_started")]
+
+
+def endpoint_timeout(endpoint: Endpoint) -> float:
+    return min(endpoint.timeout or settings.DELIVERY_TIMEOUT, settings.DELIVERY_MAX_TIMEOUT)

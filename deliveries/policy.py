@@ -1,0 +1,138 @@
+"""Classification of attempt results and the retry policy: pure, no database, no clock.
+
+The table (also in docs/retry-policy.md):
+
+| result                                 | outcome          | effect                          |
+| -------------------------------------- | ---------------- | ------------------------------- |
+| 2xx                                    | success          | succeeded                       |
+| 410 Gone                               | endpoint_gone    | dead; the endpoint is disabled  |
+| 408, 425, 429, 5xx                     | retry            | pending at the next step        |
+| connection, DNS or TLS error           | retry            | pending at the next step        |
+| timeout, connection dropped after send | retry, ambiguous | pending; the same webhook-id    |
+| egress guard refused the address/URL   | blocked          | dead (retrying cannot help)     |
+| 3xx (redirects are never followed)     | permanent        | dead                            |
+| other 4xx                              | permanent        | dead (retry if the endpoint     |
+|                                        |                  | opts in: retry_client_errors)   |
+
+``Retry-After`` (seconds or an HTTP date) on a retryable answer replaces the backoff step
+when it is longer, clamped to ``retry_after_max``.
+"""
+
+import random
+from dataclasses import dataclass
+from datetime import datetime
+from email.utils import parsedate_to_datetime
+
+from .models import Outcome
+
+RETRYABLE_STATUS = frozenset({408, 425, 429})
+RETRYABLE_ERRORS = frozenset({"dns", "connect", "timeout", "tls", "protocol"})
+PERMANENT_ERRORS = frozenset({"blocked", "invalid_url"})
+
+
+@dataclass(frozen=True)
+class Classification:
+    outcome: Outcome
+    ambiguous: bool = False
+
+    @property
+    def retryable(self) -> bool:
+        return self.outcome == Outcome.RETRY
+
+
+def classify(
+    *,
+    status: int | None,
+    error_kind: str = "",
+    ambiguous: bool = False,
+    retry_client_errors: bool = False,
+) -> Classification:
+    """Classify one attempt: an HTTP status, or no status and an egress error kind."""
+    if status is None:
+        if error_kind in PERMANENT_ERRORS:
+            return Classification(Outcome.BLOCKED)
+        if error_kind in RETRYABLE_ERRORS:
+            return Classification(Outcome.RETRY, ambiguous=ambiguous)
+        raise ValueError(f"an attempt needs a status or a known error kind, got {error_kind!r}")
+    if 200 <= status < 300:
+        return Classification(Outcome.SUCCESS)
+    if status == 410:
+        return Classification(Outcome.ENDPOINT_GONE)
+    if status in RETRYABLE_STATUS or status >= 500:
+        return Classification(Outcome.RETRY)
+    if 400 <= status < 500 and retry_client_errors:
+        return Classification(Outcome.RETRY)
+    return Classification(Outcome.PERMANENT)
+
+
+def parse_retry_after(value: str | None, *, now: datetime) -> float | None:
+    """Seconds from ``now`` that a ``Retry-After`` header asks for, or None if absent or
+    unreadable. Negative and past dates read as 0."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when is None or when.tzinfo is None:
+        return None
+    return max(0.0, (when - now).total_seconds())
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """When to try again after a retryable failure.
+
+    ``schedule[i]`` is the base wait after the (i+1)-th failed attempt; its length is the
+    number of retries, so a delivery gets ``len(schedule) + 1`` attempts before it is
+    dead. Each wait is spread by ``±jitter`` (a fraction) so that endpoints that failed
+    together do not retry together. A ``Retry-After`` longer than the step wins, clamped
+    to ``retry_after_max``; it never shortens the schedule.
+    """
+
+    schedule: tuple[float, ...]
+    jitter: float = 0.2
+    retry_after_max: float = 6 * 3600
+
+    def __post_init__(self) -> None:
+        if any(step < 0 for step in self.schedule):
+            raise ValueError("retry schedule steps must not be negative")
+        if not 0 <= self.jitter < 1:
+            raise ValueError("jitter must be in [0, 1)")
+
+    @classmethod
+    def from_settings(cls) -> "RetryPolicy":
+        from django.conf import settings
+
+        return cls(
+            schedule=tuple(float(s) for s in settings.DELIVERY_RETRY_SCHEDULE),
+            jitter=settings.DELIVERY_RETRY_JITTER,
+            retry_after_max=settings.DELIVERY_RETRY_AFTER_MAX,
+        )
+
+    @property
+    def max_attempts(self) -> int:
+        return len(self.schedule) + 1
+
+    def next_delay(
+        self,
+        failed_attempts: int,
+        *,
+        retry_after: float | None = None,
+        rng: random.Random | None = None,
+    ) -> float | None:
+        """Seconds to wait after ``failed_attempts`` failures (counting the one just
+        made), or None when the schedule is spent and the delivery is dead."""
+        if failed_attempts < 1:
+            raise ValueError("failed_attempts counts the attempt just made, so it is >= 1")
+        if failed_attempts > len(self.schedule):
+            return None
+        base = self.schedule[failed_attempts - 1]
+        spread = base * self.jitter
+        delay = base + (rng or random).uniform(-spread, spread)
+        if retry_after is not None:
+            delay = max(delay, min(retry_after, self.retry_after_max))
+        return delay

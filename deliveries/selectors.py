@@ -1,0 +1,127 @@
+"""Reads: queries and explanations, no writes."""
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.utils import timezone
+
+from .models import Attempt, Delivery, DeliveryState, LoopRun, Outbox
+
+# A loop whose heartbeat is older than this is taken as not running.
+LOOP_STALE_AFTER = timedelta(seconds=60)
+
+
+@dataclass
+class Explanation:
+    """Where a delivery stands, in one sentence an operator can act on.
+
+    ``kind``: waiting (late by policy), due, outbox, in_transport, leased, succeeded,
+    dead, or stalled (nothing that would move it is running: late, and will stay late
+    until someone starts it)."""
+
+    kind: str
+    sentence: str
+    details: list[str] = field(default_factory=list)
+
+
+def _loop_alive(kind: str, now: datetime) -> bool:
+    return LoopRun.objects.filter(
+        kind=kind, finished_at__isnull=True, heartbeat_at__gte=now - LOOP_STALE_AFTER
+    ).exists()
+
+
+def delivery_explain(delivery: Delivery, *, now: datetime | None = None) -> Explanation:
+    now = now or timezone.now()
+    d = delivery
+    last = ""
+    if d.last_outcome:
+        last = f" after {d.last_outcome}"
+        if d.last_status_code:
+            last += f" (HTTP {d.last_status_code})"
+        elif d.last_error:
+            last += f" ({d.last_error})"
+    details = [
+        f"webhook-id: {d.id}",
+        f"attempts: {d.attempt_count} (counted against the schedule: {d.policy_attempts})",
+        f"dispatches: {d.dispatch_count}, lease expiries: {d.lease_expiries}",
+    ]
+    state = d.state
+    if state == DeliveryState.PENDING and d.next_attempt_at > now:
+        return Explanation(
+            "waiting",
+            f"Waiting by policy until {d.next_attempt_at:%Y-%m-%d %H:%M:%S} UTC{last}.",
+            details,
+        )
+    if state == DeliveryState.PENDING:
+        if not _loop_alive("scheduler", now):
+            return Explanation(
+                "stalled",
+                f"Due since {d.next_attempt_at:%Y-%m-%d %H:%M:%S} UTC, but no scheduler is "
+                "running: start run_scheduler.",
+                details,
+            )
+        return Explanation(
+            "due",
+            f"Due since {d.next_attempt_at:%Y-%m-%d %H:%M:%S} UTC; the scheduler admits it "
+            "as soon as the tenant's and endpoint's in-flight ceilings allow.",
+            details,
+        )
+    if state == DeliveryState.ENQUEUED:
+        outbox = Outbox.objects.filter(delivery=d, dispatch=d.dispatch_count).first()
+        stale_at = d.enqueued_at + timedelta(seconds=settings.SCHEDULER_STALE_ENQUEUED_SECONDS)
+        if outbox and outbox.published_at is None:
+            alive = _loop_alive("relay", now)
+            return Explanation(
+                "outbox" if alive else "stalled",
+                f"In the outbox since {d.enqueued_at:%H:%M:%S} UTC, waiting for the relay"
+                + ("." if alive else ", but no relay is running: start run_relay."),
+                details,
+            )
+        if now > stale_at:
+            return Explanation(
+                "in_transport",
+                f"Handed to the transport at {d.enqueued_at:%H:%M:%S} UTC and not taken by "
+                "a worker since: the transport lost it; the scheduler dispatches it again.",
+                details,
+            )
+        alive = _loop_alive("workers", now)
+        return Explanation(
+            "in_transport" if alive else "stalled",
+            f"In transport since {d.enqueued_at:%H:%M:%S} UTC (dispatch {d.dispatch_count})"
+            + ("; a worker will take it." if alive else ", but no worker is running."),
+            details,
+        )
+    if state == DeliveryState.LEASED:
+        if d.lease_until < now:
+            return Explanation(
+                "leased",
+                f"The worker's lease ran out at {d.lease_until:%H:%M:%S} UTC (it died or hung); "
+                "the scheduler returns the delivery to pending.",
+                details,
+            )
+        return Explanation(
+            "leased",
+            f"Leased by a worker until {d.lease_until:%H:%M:%S} UTC: attempt "
+            f"{d.attempt_count} is in flight.",
+            details,
+        )
+    if state == DeliveryState.SUCCEEDED:
+        return Explanation(
+            "succeeded",
+            f"Succeeded at {d.finished_at:%Y-%m-%d %H:%M:%S} UTC with HTTP {d.last_status_code} "
+            f"after {d.attempt_count} attempt(s).",
+            details,
+        )
+    return Explanation(
+        "dead",
+        f"Dead since {d.finished_at:%Y-%m-%d %H:%M:%S} UTC: {d.last_outcome or 'unknown'}"
+        + (f" — {d.last_error}" if d.last_error else "")
+        + (f" (HTTP {d.last_status_code})" if d.last_status_code else "")
+        + ". Replay sends it again with the same webhook-id.",
+        details,
+    )
+
+
+def delivery_attempts(delivery: Delivery):
+    return Attempt.objects.filter(delivery=delivery).order_by("number", "id")

@@ -1,0 +1,308 @@
+"""The delivery workers: an asyncio loop that sends with aiohttp and talks to the
+database from a small thread pool.
+
+One unit of work (``Worker.process_batch``):
+
+1. take a batch of messages from the broker;
+2. lease their deliveries in one transaction (skipping stale or raced copies) and load
+   what sending needs: endpoints, secrets, bodies;
+3. send every request concurrently, with no transaction open, through the egress module;
+4. record all attempts and transitions in one transaction;
+5. acknowledge the batch on the broker.
+
+Several batches run at once (``lanes``) so that the database work of one overlaps the
+network work of another. A worker that dies anywhere in this leaves either unacknowledged
+messages (redelivered after the visibility timeout) or a lease (returned by the
+scheduler when it runs out): late, never lost.
+"""
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from django.conf import settings
+from django.db import InterfaceError, OperationalError, close_old_connections, connection
+from django.utils import timezone
+
+from . import broker as transport
+from . import state
+from .egress import EgressError, EgressSession
+from .faults import crash_point
+from .models import Endpoint, endpoint_timeout
+from .policy import RetryPolicy, classify, parse_retry_after
+from .services import active_secrets
+from .signing import signature_header
+
+logger = logging.getLogger("deliveries.worker")
+
+# Headers the protocol owns; an endpoint's custom headers cannot replace them.
+PROTOCOL_HEADERS = frozenset(
+    {
+        "content-type",
+        "webhook-id",
+        "webhook-timestamp",
+        "webhook-signature",
+        "idempotency-key",
+        "content-length",
+        "host",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Target:
+    url: str
+    timeout: float
+    headers: dict
+    retry_client_errors: bool
+    secrets: tuple[str, ...]
+
+
+@dataclass
+class Claimed:
+    messages: list[tuple[object, str]]
+    leased: list[state.Leased]
+    targets: dict
+    skipped: int
+
+
+def _claim(messages: list[tuple[object, str]], lease_seconds: float) -> Claimed:
+    """Lease the batch's deliveries and load their endpoints (runs in a DB thread)."""
+    close_old_connections()
+    wanted = []
+    for _, payload in messages:
+        m = transport.Message.decode(payload)
+        wanted.append((m.delivery_id, m.dispatch))
+    now = timezone.now()
+    leased, skipped = state.lease(wanted, now=now, lease_seconds=lease_seconds)
+    endpoint_ids = {item.endpoint_id for item in leased}
+    secrets = active_secrets(endpoint_ids, now=now)
+    targets = {}
+    for e in Endpoint.objects.filter(id__in=endpoint_ids):
+        targets[e.id] = Target(
+            url=e.url,
+            timeout=endpoint_timeout(e),
+            headers={
+                k: str(v) for k, v in (e.headers or {}).items() if k.lower() not in PROTOCOL_HEADERS
+            },
+            retry_client_errors=e.retry_client_errors,
+            secrets=tuple(secrets.get(e.id, ())),
+        )
+    return Claimed(messages=messages, leased=leased, targets=targets, skipped=skipped)
+
+
+def _record(results: list[state.AttemptResult], policy: RetryPolicy) -> state.RecordSummary:
+    close_old_connections()
+    return state.record(results, now=timezone.now(), policy=policy)
+
+
+class Worker:
+    def __init__(
+        self,
+        *,
+        batch_size: int | None = None,
+        concurrency: int | None = None,
+        lanes: int = 4,
+        broker=None,
+        egress: EgressSession | None = None,
+    ) -> None:
+        self.batch_size = batch_size or settings.WORKER_BATCH_SIZE
+        self.lanes = lanes
+        self.broker = broker or transport.broker()
+        self.policy = RetryPolicy.from_settings()
+        self.lease_seconds = max(
+            settings.DELIVERY_LEASE_SECONDS, settings.DELIVERY_MAX_TIMEOUT + 15
+        )
+        self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self.in_flight = asyncio.Semaphore(concurrency or settings.WORKER_CONCURRENCY)
+        self.egress = egress
+        self.db = ThreadPoolExecutor(max_workers=lanes + 1, thread_name_prefix="worker-db")
+        self.counts: Counter = Counter()
+
+    async def _in_db(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.db, fn, *args)
+
+    async def _in_db_retrying(self, fn, *args, attempts: int = 6):
+        """Recording must survive a database blip: the attempts already happened."""
+        delay = 0.25
+        for i in range(attempts):
+            try:
+                return await self._in_db(fn, *args)
+            except (OperationalError, InterfaceError):
+                if i == attempts - 1:
+                    raise
+                await self._in_db(_close_connection)
+                await asyncio.sleep(delay)
+                delay *= 2
+        return None
+
+    async def process_batch(self) -> int:
+        """One unit of work; returns how many broker messages it handled."""
+        messages = await self._in_db(transport.receive, self.broker, self.batch_size)
+        if not messages:
+            return 0
+        claimed = await self._in_db(_claim, messages, self.lease_seconds)
+        crash_point("worker.after_lease")
+        results = await asyncio.gather(
+            *(self._send(item, claimed.targets[item.endpoint_id]) for item in claimed.leased)
+        )
+        crash_point("worker.after_send")
+        summary = await self._in_db_retrying(_record, list(results), self.policy)
+        await self._in_db_retrying(
+            transport.acknowledge, self.broker, [task_id for task_id, _ in messages]
+        )
+        self.counts.update(
+            messages=len(messages),
+            skipped=claimed.skipped,
+            succeeded=summary.succeeded,
+            retrying=summary.retrying,
+            dead=summary.dead,
+            stale=summary.stale,
+        )
+        for endpoint_id in summary.disabled_endpoints:
+            logger.warning(
+                "endpoint disabled",
+                extra={"action": "endpoint.disabled", "endpoint_id": str(endpoint_id)},
+            )
+        return len(messages)
+
+    async def _send(self, item: state.Leased, target: Target) -> state.AttemptResult:
+        msg_id = str(item.id)
+        timestamp = int(time.time())
+        headers = {
+            **target.headers,
+            "content-type": "application/json",
+            "webhook-id": msg_id,
+            "webhook-timestamp": str(timestamp),
+            "webhook-signature": signature_header(
+                target.secrets, msg_id=msg_id, timestamp=timestamp, body=item.body
+            ),
+            "idempotency-key": msg_id,
+        }
+        # Custom header values may be credentials: the attempt log keeps only their names.
+        logged_headers = {
+            k: ("[redacted]" if k in target.headers else v)
+            for k, v in headers.items()
+            if k != "webhook-signature"
+        }
+        started = datetime.now(UTC)
+        async with self.in_flight:
+            try:
+                response = await self.egress.post(
+                    target.url, body=item.body, headers=headers, timeout=target.timeout
+                )
+            except EgressError as exc:
+                return state.AttemptResult(
+                    leased=item,
+                    classification=classify(
+                        status=None, error_kind=str(exc.kind), ambiguous=exc.ambiguous
+                    ),
+                    started_at=started,
+                    duration_ms=exc.elapsed_ms,
+                    error_kind=str(exc.kind),
+                    error=exc.detail,
+                    request_headers=logged_headers,
+                    worker=self.name,
+                )
+        classification = classify(
+            status=response.status, retry_client_errors=target.retry_client_errors
+        )
+        retry_after = None
+        if classification.retryable:
+            retry_after = parse_retry_after(response.headers.get("retry-after"), now=started)
+        limit = settings.DELIVERY_RESPONSE_BODY_LIMIT
+        return state.AttemptResult(
+            leased=item,
+            classification=classification,
+            started_at=started,
+            duration_ms=response.elapsed_ms,
+            status_code=response.status,
+            response_body=response.body[:limit].decode("utf-8", errors="replace"),
+            response_truncated=response.truncated or len(response.body) > limit,
+            request_headers=logged_headers,
+            retry_after=retry_after,
+            worker=self.name,
+        )
+
+    async def run(
+        self,
+        *,
+        stop: asyncio.Event,
+        once: bool = False,
+        until_idle: bool = False,
+        idle_sleep: float | None = None,
+    ) -> Counter:
+        """Run ``lanes`` batch loops until ``stop`` is set (they finish the batch under
+        way), or after one batch each (``once``), or until the broker is empty
+        (``until_idle``)."""
+        idle_sleep = settings.WORKER_IDLE_SLEEP if idle_sleep is None else idle_sleep
+        own_session = self.egress is None
+        if own_session:
+            self.egress = EgressSession()
+            await self.egress.__aenter__()
+        try:
+            await asyncio.gather(
+                *(self._lane(stop, once, until_idle, idle_sleep) for _ in range(self.lanes))
+            )
+        finally:
+            if own_session:
+                await self.egress.close()
+            close_thread_connections(self.db, self.lanes + 1)
+        return self.counts
+
+    async def _lane(
+        self, stop: asyncio.Event, once: bool, until_idle: bool, idle_sleep: float
+    ) -> None:
+        backoff = 0.5
+        while not stop.is_set():
+            try:
+                handled = await self.process_batch()
+                backoff = 0.5
+            except (OperationalError, InterfaceError) as exc:
+                logger.warning(
+                    "database unavailable, retrying",
+                    extra={"action": "workers.db_error", "error": str(exc)},
+                )
+                await self._in_db(_close_connection)
+                await _wait(stop, backoff)
+                backoff = min(backoff * 2, 10.0)
+                continue
+            if once or (until_idle and handled == 0):
+                return
+            if handled == 0:
+                await _wait(stop, idle_sleep)
+
+
+def close_thread_connections(executor: ThreadPoolExecutor, threads: int) -> None:
+    """Close the Django connection each pool thread opened, then stop the pool. The
+    barrier makes every thread take exactly one of the close calls."""
+    barrier = threading.Barrier(threads)
+
+    def close() -> None:
+        with contextlib.suppress(threading.BrokenBarrierError):
+            barrier.wait(timeout=5)
+        _close_connection()
+
+    for future in [executor.submit(close) for _ in range(threads)]:
+        future.result()
+    executor.shutdown(wait=True)
+
+
+def _close_connection() -> None:
+    try:
+        connection.close()
+    except Exception:
+        logger.debug("closing a broken connection failed")
+
+
+async def _wait(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout=seconds)

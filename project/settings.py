@@ -1,0 +1,208 @@
+"""Settings for the webhook service.
+
+Every value comes from the environment through one ``environ.Env`` object, read with a
+type. The README's "Settings" table documents each one; ``deliveries/checks.py`` turns a
+misconfiguration into a system-check error with a stable id instead of a surprise later.
+"""
+
+from pathlib import Path
+
+import environ
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = BASE_DIR / "var"
+
+env = environ.Env()
+
+DEBUG = env.bool("DEBUG", default=False)
+# The fallback key only exists so that a fresh clone starts; `check --deploy` flags it.
+SECRET_KEY = env.str("SECRET_KEY", default="insecure-development-key-change-me-" + "x" * 20)
+ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
+CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "django_filters",
+    "drf_spectacular",
+    "django_q",
+    "deliveries",
+    "ingest",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "project.urls"
+WSGI_APPLICATION = "project.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- Database -------------------------------------------------------------------------
+# PostgreSQL in production and in the test suite (DATABASE_URL). Without it, an embedded
+# SQLite file under var/ so that `make run` needs nothing installed. Several processes
+# (web, scheduler, relay, workers) share that file, so: WAL (readers never block the
+# writer), a busy timeout (a writer waits instead of failing with "database is locked"),
+# and IMMEDIATE transactions (take the write lock at BEGIN, so two read-then-write
+# transactions cannot deadlock on the lock upgrade).
+SQLITE_PATH = env.path("SQLITE_PATH", default=str(VAR_DIR / "webhooks.sqlite3"))
+if env.str("DATABASE_URL", default=""):
+    DATABASES = {"default": env.db("DATABASE_URL")}
+    DATABASES["default"].setdefault("CONN_MAX_AGE", env.int("DATABASE_CONN_MAX_AGE", default=60))
+    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+else:
+    Path(SQLITE_PATH).parent.mkdir(parents=True, exist_ok=True)
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": SQLITE_PATH,
+            "OPTIONS": {
+                "timeout": 30,
+                "transaction_mode": "IMMEDIATE",
+                "init_command": (
+                    "PRAGMA journal_mode=WAL;"
+                    "PRAGMA synchronous=NORMAL;"
+                    "PRAGMA busy_timeout=30000;"
+                    "PRAGMA foreign_keys=ON;"
+                ),
+            },
+        }
+    }
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = env.path("STATIC_ROOT", default=str(VAR_DIR / "static"))
+
+SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SESSION_COOKIE_SECURE = env.bool("SESSION_COOKIE_SECURE", default=not DEBUG)
+CSRF_COOKIE_SECURE = env.bool("CSRF_COOKIE_SECURE", default=not DEBUG)
+SECURE_SSL_REDIRECT = env.bool("SECURE_SSL_REDIRECT", default=False)
+SECURE_HSTS_SECONDS = env.int("SECURE_HSTS_SECONDS", default=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", default=False)
+SECURE_HSTS_PRELOAD = env.bool("SECURE_HSTS_PRELOAD", default=False)
+SECURE_CONTENT_TYPE_NOSNIFF = True
+X_FRAME_OPTIONS = "DENY"
+
+# --- REST -----------------------------------------------------------------------------
+REST_FRAMEWORK = {
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
+    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.CursorPagination",
+    "PAGE_SIZE": 50,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Webhooks API",
+    "DESCRIPTION": "Endpoints, events and delivery history for one tenant.",
+    "VERSION": "1.0.0",
+}
+
+# --- Egress ---------------------------------------------------------------------------
+# CIDRs the egress guard admits although they are private or loopback. Empty by default.
+# Cloud metadata addresses stay refused whatever this says.
+EGRESS_ALLOW_NETWORKS = env.list("EGRESS_ALLOW_NETWORKS", default=[])
+# Bytes of a receiver's response that are read at most; the rest is cut off unread.
+EGRESS_MAX_RESPONSE_BYTES = env.int("EGRESS_MAX_RESPONSE_BYTES", default=64 * 1024)
+EGRESS_CONNECT_TIMEOUT = env.float("EGRESS_CONNECT_TIMEOUT", default=5.0)
+
+# --- Delivery policy ------------------------------------------------------------------
+# Seconds between attempts; its length is the number of retries. Default: Standard
+# Webhooks' example schedule, about three days in all.
+DELIVERY_RETRY_SCHEDULE = env.list(
+    "DELIVERY_RETRY_SCHEDULE",
+    cast=float,
+    default=[5, 300, 1800, 7200, 18000, 36000, 50400, 72000, 86400],
+)
+DELIVERY_RETRY_JITTER = env.float("DELIVERY_RETRY_JITTER", default=0.2)
+DELIVERY_RETRY_AFTER_MAX = env.float("DELIVERY_RETRY_AFTER_MAX", default=6 * 3600)
+DELIVERY_TIMEOUT = env.float("DELIVERY_TIMEOUT", default=15.0)
+DELIVERY_MAX_TIMEOUT = env.float("DELIVERY_MAX_TIMEOUT", default=30.0)
+DELIVERY_LEASE_SECONDS = env.float("DELIVERY_LEASE_SECONDS", default=60.0)
+DELIVERY_DISABLE_AFTER = env.float("DELIVERY_DISABLE_AFTER", default=5 * 86400)
+DELIVERY_RESPONSE_BODY_LIMIT = env.int("DELIVERY_RESPONSE_BODY_LIMIT", default=20_000)
+DELIVERY_MAX_PAYLOAD_BYTES = env.int("DELIVERY_MAX_PAYLOAD_BYTES", default=256 * 1024)
+DELIVERY_MAX_IN_FLIGHT = env.int("DELIVERY_MAX_IN_FLIGHT", default=5000)
+DELIVERY_TENANT_MAX_IN_FLIGHT = env.int("DELIVERY_TENANT_MAX_IN_FLIGHT", default=2000)
+DELIVERY_ENDPOINT_MAX_CONCURRENCY = env.int("DELIVERY_ENDPOINT_MAX_CONCURRENCY", default=500)
+
+SCHEDULER_PAGE_SIZE = env.int("SCHEDULER_PAGE_SIZE", default=1000)
+SCHEDULER_STALE_ENQUEUED_SECONDS = env.float("SCHEDULER_STALE_ENQUEUED_SECONDS", default=600.0)
+SCHEDULER_INTERVAL = env.float("SCHEDULER_INTERVAL", default=0.2)
+RELAY_PAGE_SIZE = env.int("RELAY_PAGE_SIZE", default=1000)
+RELAY_INTERVAL = env.float("RELAY_INTERVAL", default=0.2)
+WORKER_BATCH_SIZE = env.int("WORKER_BATCH_SIZE", default=200)
+WORKER_CONCURRENCY = env.int("WORKER_CONCURRENCY", default=512)
+WORKER_IDLE_SLEEP = env.float("WORKER_IDLE_SLEEP", default=0.05)
+
+# Crash-boundary fault injection for tests and the soak: the name of a point in
+# deliveries/faults.py at which the process kills itself. Empty in production.
+FAULT_INJECT_AT = env.str("FAULT_INJECT_AT", default="")
+
+# --- Queue transport (django-q2's broker interface) -----------------------------------
+QUEUE_VISIBILITY_TIMEOUT = env.int("QUEUE_VISIBILITY_TIMEOUT", default=90)
+REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
+QUEUE_BROKER_CLASS = env.str("QUEUE_BROKER_CLASS", default="deliveries.broker.DatabaseBroker")
+Q_CLUSTER = {
+    "name": env.str("QUEUE_NAME", default="webhooks"),
+    "broker_class": QUEUE_BROKER_CLASS,
+    "redis": REDIS_URL,
+    # The broker's visibility timeout: a message not acknowledged within it is handed out
+    # again. It must exceed the longest request plus recording time.
+    "retry": QUEUE_VISIBILITY_TIMEOUT,
+    "timeout": int(QUEUE_VISIBILITY_TIMEOUT * 0.8),
+    "bulk": WORKER_BATCH_SIZE,
+    "workers": 2,
+    "save_limit": 250,
+    "catch_up": False,
+}
+
+# --- Logging --------------------------------------------------------------------------
+LOG_LEVEL = env.str("LOG_LEVEL", default="INFO")
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"json": {"()": "project.logging.JsonFormatter"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "json"}},
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
+    "loggers": {
+        "django.db.backends": {"level": "WARNING"},
+        "aiohttp.access": {"level": "WARNING"},
+    },
+}

@@ -1,0 +1,251 @@
+"""The outbound pipeline end to end on PostgreSQL: publish, schedule, relay, work."""
+
+import json
+
+import pytest
+from django.db import transaction
+from django.utils import timezone
+from standardwebhooks.webhooks import Webhook
+
+from deliveries import services
+from deliveries.models import Attempt, Delivery, Endpoint, Event, Outbox, QueueMessage
+from tests.conftest import drain, make_due
+from tests.receiver import always, fail_first
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_publish_writes_one_pending_delivery_per_subscribed_endpoint(tenant, make_endpoint):
+    a = make_endpoint("http://127.0.0.1:9/a", event_types=["invoice.paid"])
+    b = make_endpoint("http://127.0.0.1:9/b")  # every type
+    make_endpoint("http://127.0.0.1:9/c", event_types=["user.created"])
+    make_endpoint("http://127.0.0.1:9/d", enabled=False)
+
+    event = services.publish_event(tenant=tenant, event_type="invoice.paid", payload={"n": 1})
+
+    deliveries = Delivery.objects.filter(event=event)
+    assert {d.endpoint_id for d in deliveries} == {a.id, b.id}
+    assert {d.state for d in deliveries} == {"pending"}
+    assert bytes(Event.objects.get(id=event.id).body) == b'{"n":1}'
+
+
+def test_a_rolled_back_publish_leaves_nothing(tenant, make_endpoint):
+    make_endpoint("http://127.0.0.1:9/a")
+
+    with pytest.raises(RuntimeError), transaction.atomic():
+        services.publish_event(tenant=tenant, event_type="x", payload={})
+        raise RuntimeError("the caller's business write failed")
+
+    assert Event.objects.count() == 0
+    assert Delivery.objects.count() == 0
+
+
+def test_delivery_is_signed_and_verifiable_by_the_standardwebhooks_package(tenant, receiver):
+    _endpoint, secret = services.endpoint_create(tenant=tenant, url=receiver.url("/ok"))
+    event = services.publish_event(tenant=tenant, event_type="invoice.paid", payload={"a": 1})
+
+    drain()
+
+    delivery = Delivery.objects.get(event=event)
+    assert delivery.state == "succeeded"
+    [request] = receiver.received
+    assert request.body == b'{"a":1}'
+    assert request.headers["content-type"] == "application/json"
+    assert request.headers["webhook-id"] == str(delivery.id)
+    assert request.headers["idempotency-key"] == str(delivery.id)
+    verified = Webhook(secret).verify(request.body, request.headers)
+    assert verified == {"a": 1}
+
+
+def test_a_delivery_that_fails_once_then_succeeds_keeps_its_identity(tenant, receiver):
+    receiver.behaviours["/flaky"] = fail_first(1)
+    _endpoint, _ = services.endpoint_create(tenant=tenant, url=receiver.url("/flaky"))
+    event = services.publish_event(tenant=tenant, event_type="t", payload={})
+
+    drain()
+    delivery = Delivery.objects.get(event=event)
+    assert delivery.state == "pending"
+    assert delivery.last_status_code == 500
+    assert delivery.next_attempt_at > timezone.now()
+    make_due()
+    drain()
+
+    delivery.refresh_from_db()
+    assert delivery.state == "succeeded"
+    assert delivery.attempt_count == 2
+    copies = receiver.requests_to("/flaky")
+    assert len(copies) == 2
+    assert {c.webhook_id for c in copies} == {str(delivery.id)}
+    # Each dispatch has its own outbox row; the delivery kept one identity.
+    assert Outbox.objects.filter(delivery=delivery).count() == 2
+    outcomes = list(
+        Attempt.objects.filter(delivery=delivery)
+        .order_by("number")
+        .values_list("number", "status_code", "outcome")
+    )
+    assert outcomes == [(1, 500, "retry"), (2, 200, "success")]
+    assert QueueMessage.objects.count() == 0
+
+
+def test_retry_after_is_honoured(tenant, receiver):
+    receiver.behaviours["/busy"] = fail_first(1, status=429, headers={"Retry-After": "7"})
+    services.endpoint_create(tenant=tenant, url=receiver.url("/busy"))
+    event = services.publish_event(tenant=tenant, event_type="t", payload={})
+
+    drain()
+
+    delivery = Delivery.objects.get(event=event)
+    attempt = Attempt.objects.get(delivery=delivery)
+    assert delivery.state == "pending"
+    # Not before 7 s after the attempt started (the first backoff step is 5 s ± 20 %).
+    wait = (delivery.next_attempt_at - attempt.started_at).total_seconds()
+    assert wait >= 7
+    assert len(receiver.received) == 1
+
+
+def test_410_kills_the_delivery_and_disables_the_endpoint(tenant, receiver):
+    receiver.behaviours["/gone"] = always(410)
+    endpoint, _ = services.endpoint_create(tenant=tenant, url=receiver.url("/gone"))
+    first = services.publish_event(tenant=tenant, event_type="t", payload={})
+
+    drain()
+
+    endpoint.refresh_from_db()
+    assert Delivery.objects.get(event=first).state == "dead"
+    assert Delivery.objects.get(event=first).last_outcome == "endpoint_gone"
+    assert endpoint.enabled is False
+    assert "410" in endpoint.disabled_reason
+
+
+def test_other_4xx_is_permanent_unless_the_endpoint_retries_client_errors(tenant, receiver):
+    receiver.behaviours["/bad"] = fail_first(1, status=400)
+    strict, _ = services.endpoint_create(tenant=tenant, url=receiver.url("/bad"))
+    lenient, _ = services.endpoint_create(
+        tenant=tenant, url=receiver.url("/bad"), retry_client_errors=True
+    )
+    event = services.publish_event(tenant=tenant, event_type="t", payload={})
+
+    drain()
+
+    assert Delivery.objects.get(event=event, endpoint=strict).state == "dead"
+    assert Delivery.objects.get(event=event, endpoint=lenient).state == "pending"
+
+
+def test_redirects_are_failures_and_never_followed(tenant, receiver):
+    receiver.behaviours["/moved"] = always(302, {"Location": receiver.url("/ok")})
+    services.endpoint_create(tenant=tenant, url=receiver.url("/moved"))
+    event = services.publish_event(tenant=tenant, event_type="t", payload={})
+
+    drain()
+
+    delivery = Delivery.objects.get(event=event)
+    assert delivery.state == "dead"
+    assert delivery.last_outcome == "permanent"
+    assert receiver.requests_to("/ok") == []
+
+
+def test_a_loopback_endpoint_is_blocked_without_the_allow_list(tenant, receiver, settings):
+    settings.EGRESS_ALLOW_NETWORKS = []
+    services.endpoint_create(tenant=tenant, url=receiver.url("/ok"))
+    event = services.publish_event(tenant=tenant, event_type="t", payload={})
+
+    drain()
+
+    delivery = Delivery.objects.get(event=event)
+    attempt = Attempt.objects.get(delivery=delivery)
+    assert delivery.state == "dead"
+    assert attempt.outcome == "blocked"
+    assert attempt.error_kind == "blocked"
+    assert attempt.response_body == ""
+    assert receiver.received == []
+
+
+def test_the_schedule_runs_out_and_the_delivery_is_dead(tenant, receiver, settings):
+    settings.DELIVERY_RETRY_SCHEDULE = [0, 0]
+    receiver.behaviours["/down"] = always(503)
+    services.endpoint_create(tenant=tenant, url=receiver.url("/down"))
+    event = services.publish_event(tenant=tenant, event_type="t", payload={})
+
+    drain()
+
+    delivery = Delivery.objects.get(event=event)
+    assert delivery.state == "dead"
+    assert delivery.attempt_count == 3
+    assert len({r.webhook_id for r in receiver.received}) == 1
+    assert len(receiver.received) == 3
+
+
+def test_an_endpoint_failing_past_the_window_is_disabled_and_one_success_resets(
+    tenant, receiver, settings
+):
+    receiver.behaviours["/down"] = always(500)
+    endpoint, _ = services.endpoint_create(tenant=tenant, url=receiver.url("/down"))
+    services.publish_event(tenant=tenant, event_type="t", payload={})
+    drain()
+    endpoint.refresh_from_db()
+    assert endpoint.failing_since is not None and endpoint.enabled
+
+    # A success clears the failure clock.
+    receiver.behaviours["/down"] = always(200)
+    make_due()
+    drain()
+    endpoint.refresh_from_db()
+    assert endpoint.failing_since is None
+
+    # Failing for longer than the window disables it.
+    receiver.behaviours["/down"] = always(500)
+    settings.DELIVERY_DISABLE_AFTER = 0
+    services.publish_event(tenant=tenant, event_type="t", payload={})
+    drain()
+    services.publish_event(tenant=tenant, event_type="t", payload={})
+    make_due()
+    drain()
+    endpoint.refresh_from_db()
+    assert endpoint.enabled is False
+    assert "failing" in endpoint.disabled_reason
+
+
+def test_timeouts_are_ambiguous_and_retried_with_the_same_id(tenant, receiver):
+    receiver.delays["/slow"] = 3
+    services.endpoint_create(tenant=tenant, url=receiver.url("/slow"), timeout=0.5)
+    event = services.publish_event(tenant=tenant, event_type="t", payload={})
+
+    drain()
+
+    delivery = Delivery.objects.get(event=event)
+    attempt = Attempt.objects.get(delivery=delivery)
+    assert delivery.state == "pending"
+    assert attempt.error_kind == "timeout"
+    assert attempt.ambiguous is True
+    assert attempt.outcome == "retry"
+
+
+def test_custom_headers_are_sent_but_never_logged(tenant, receiver):
+    services.endpoint_create(
+        tenant=tenant,
+        url=receiver.url("/ok"),
+        headers={"Authorization": "Bearer s3cret", "webhook-id": "forged"},
+    )
+    event = services.publish_event(tenant=tenant, event_type="t", payload={})
+
+    drain()
+
+    delivery = Delivery.objects.get(event=event)
+    [request] = receiver.received
+    assert request.headers["authorization"] == "Bearer s3cret"
+    assert request.headers["webhook-id"] == str(delivery.id)
+    attempt = Attempt.objects.get(delivery=delivery)
+    assert "s3cret" not in json.dumps(attempt.request_headers)
+
+
+def test_a_disabled_endpoint_gets_no_request(tenant, receiver):
+    endpoint, _ = services.endpoint_create(tenant=tenant, url=receiver.url("/ok"))
+    event = services.publish_event(tenant=tenant, event_type="t", payload={})
+    Endpoint.objects.filter(id=endpoint.id).update(enabled=False)
+
+    drain()
+
+    delivery = Delivery.objects.get(event=event)
+    assert delivery.state == "dead"
+    assert delivery.last_outcome == "endpoint_disabled"
+    assert receiver.received == []
