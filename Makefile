@@ -27,7 +27,8 @@ run: $(VENV)/.base-installed
 test: $(VENV)/.dev-installed
 	@set -e; \
 	export DATABASE_URL="$$(scripts/ensure_postgres.sh)"; \
-	echo "== ruff"; $(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .; \
+	scripts/ensure_redis.sh; \
+	echo "== ruff"; $(VENV)/bin/ruff check .; $(VENV)/bin/ruff format --check .; \
 	echo "== django checks"; $(PY) manage.py check; \
 	SECRET_KEY="$$(head -c 48 /dev/urandom | base64)" DEBUG=0 SECURE_SSL_REDIRECT=1 \
 	  SECURE_HSTS_SECONDS=31536000 SECURE_HSTS_INCLUDE_SUBDOMAINS=1 SECURE_HSTS_PRELOAD=1 \

@@ -15,6 +15,10 @@ Every request the service makes to a URL a tenant gave us goes through
   connector then connects only to the records it got from us, so the address
   that was checked is the address that is dialled; there is no second lookup.
   aiohttp's DNS cache holds only answers that already passed the check.
+* Belt and braces: the connector's socket factory judges the address of every
+  socket it is about to connect, however that address was arrived at. It never
+  fires while the checks above hold; it is there so that a later change (a
+  followed redirect, a proxy setting) fails closed instead of dialling out.
 * Redirects are never followed (``allow_redirects=False``); a 3xx is returned
   to the caller like any other response.
 * TLS verification stays on; environment proxies are ignored (``trust_env=False``)
@@ -33,7 +37,7 @@ import socket
 import ssl
 import time
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -301,16 +305,17 @@ def _ip_literal(host: str) -> IPAddress | None:
 
 
 class _RefusedAddress(OSError):
-    """Raised by the resolver when an answer contains a refused address.
+    """Raised when the resolver or the socket factory meets a refused address.
 
-    An OSError because that is what aiohttp expects resolvers to raise; aiohttp
-    then wraps it in ClientConnectorDNSError, and :func:`_translate` digs it
-    back out so it is reported as BLOCKED, not as a DNS failure.
+    An OSError because that is what aiohttp expects from both; aiohttp then
+    wraps it (ClientConnectorDNSError from the resolver, ClientConnectorError
+    from the socket factory), and :func:`_translate` digs it back out so it is
+    reported as BLOCKED, not as a DNS or connection failure.
     """
 
-    def __init__(self, host: str, address: str, reason: str) -> None:
-        super().__init__(None, f"{host} resolved to {address}, refused: {reason}")
-        self.detail = self.strerror
+    def __init__(self, detail: str) -> None:
+        super().__init__(None, detail)
+        self.detail = detail
 
 
 class _PolicyResolver(AbstractResolver):
@@ -336,15 +341,34 @@ class _PolicyResolver(AbstractResolver):
             try:
                 ip = ipaddress.ip_address(record["host"])
             except ValueError:
-                raise _RefusedAddress(host, record["host"], "not an IP address") from None
-            reason = None
+                raise _RefusedAddress(
+                    f"{host} resolved to non-address {record['host']!r}"
+                ) from None
+            reason = self._policy.refusal(ip)
             if reason:
-                raise _RefusedAddress(host, record["host"], reason)
+                raise _RefusedAddress(f"{host} resolved to {ip}, refused: {reason}")
         return records
 
     async def close(self) -> None:
         # The inner resolver belongs to whoever created it; EgressSession closes its own.
         pass
+
+
+def _policy_socket_factory(policy: EgressPolicy) -> Callable[[Any], socket.socket]:
+    """A socket factory that refuses to create a socket for a refused destination."""
+
+    def create(addr_info: Any) -> socket.socket:
+        family, type_, proto, _, sockaddr = addr_info
+        try:
+            ip = ipaddress.ip_address(sockaddr[0])
+        except ValueError:
+            raise _RefusedAddress(f"connection to non-address {sockaddr[0]!r}") from None
+        reason = policy.refusal(ip)
+        if reason:
+            raise _RefusedAddress(f"connection to {ip} refused: {reason}")
+        return socket.socket(family=family, type=type_, proto=proto)
+
+    return create
 
 
 @dataclass
@@ -511,6 +535,7 @@ class EgressSession:
                 limit_per_host=self._pool_size_per_host,
                 ttl_dns_cache=_DNS_CACHE_TTL_SECONDS,
                 resolver=_PolicyResolver(self._inner_resolver, self._policy),
+                socket_factory=_policy_socket_factory(self._policy),
                 ssl=True,
             )
             tracing = aiohttp.TraceConfig()

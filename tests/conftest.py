@@ -61,3 +61,35 @@ def make_due(**filters) -> int:
     return Delivery.objects.filter(state="pending", **filters).update(
         next_attempt_at=timezone.now()
     )
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """Environment for a child process that uses the test database."""
+    import os
+
+    from django.db import connection
+
+    s = connection.settings_dict
+    user = s.get("USER") or ""
+    auth = f"{user}:{s['PASSWORD']}@" if s.get("PASSWORD") else (f"{user}@" if user else "")
+    url = f"postgres://{auth}{s.get('HOST') or '127.0.0.1'}:{s.get('PORT') or 5432}/{s['NAME']}"
+    env = {**os.environ, "DATABASE_URL": url, "EGRESS_ALLOW_NETWORKS": "127.0.0.0/8"}
+    env.update(extra)
+    return env
+
+
+def manage(*args: str, env: dict[str, str], timeout: float = 60):
+    """Run a management command as a real process; returns the CompletedProcess."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    return subprocess.run(
+        [sys.executable, str(root / "manage.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=root,
+    )

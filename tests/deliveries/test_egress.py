@@ -39,6 +39,7 @@ from deliveries.egress import (
     EgressPolicy,
     EgressSession,
     ErrorKind,
+    _policy_socket_factory,
 )
 
 NOTHING_ALLOWED = EgressPolicy()
@@ -578,6 +579,33 @@ def test_slow_resolution_is_a_connect_phase_timeout_and_not_ambiguous():
     assert error.kind == ErrorKind.TIMEOUT
     assert error.ambiguous is False
     assert took < 2.0
+
+
+@pytest.mark.parametrize(
+    ("family", "sockaddr"),
+    [
+        (socket.AF_INET, ("169.254.169.254", 80)),
+        (socket.AF_INET, ("127.0.0.1", 80)),
+        (socket.AF_INET6, ("fd00:ec2::254", 80, 0, 0)),
+    ],
+)
+def test_the_socket_factory_backstop_refuses_to_make_a_socket_for_a_refused_address(
+    family, sockaddr
+):
+    """The last line of defence, tested directly: while the URL and resolver checks hold it
+    never fires, which is exactly why it needs its own test. It runs before any connect."""
+    create = _policy_socket_factory(NOTHING_ALLOWED)
+
+    with pytest.raises(OSError, match="refused"):
+        create((family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", sockaddr))
+
+
+def test_the_socket_factory_backstop_makes_sockets_for_allowed_addresses():
+    create = _policy_socket_factory(LOOPBACK_ALLOWED)
+
+    sock = create((socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", 80)))
+    with sock:
+        assert sock.family == socket.AF_INET
 
 
 # --- redirects ---------------------------------------------------------------------------

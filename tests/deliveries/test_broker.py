@@ -1,0 +1,98 @@
+"""The queue transports: the database broker's batch claim and visibility timeout, and
+django-q2's Redis broker driving the same pipeline."""
+
+import uuid
+
+import pytest
+import redis
+from django.utils import timezone
+from django_q.brokers.redis_broker import Redis
+
+from deliveries import broker as transport
+from deliveries import services
+from deliveries.broker import DatabaseBroker, Message
+from deliveries.loops import relay_tick, scheduler_tick
+from deliveries.models import Delivery, QueueMessage
+from tests.conftest import run_workers
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_database_broker_hands_each_message_to_one_consumer_until_it_times_out(settings):
+    settings.QUEUE_VISIBILITY_TIMEOUT = 60
+    b = DatabaseBroker(list_key="t")
+    ids = b.enqueue_many(["a", "b", "c"], priorities=[0, 5, 0])
+
+    first = b.dequeue(2)
+    second = b.dequeue(10)
+    assert [p for _, p in first] == ["b", "a"]  # priority first, then age
+    assert [p for _, p in second] == ["c"]
+    assert b.dequeue(10) == []
+    assert b.queue_size() == 0 and b.lock_size() == 3
+
+    # Unacknowledged messages come back after the visibility timeout.
+    QueueMessage.objects.filter(id__in=ids[:2]).update(visible_at=timezone.now())
+    again = b.dequeue(10)
+    assert sorted(p for _, p in again) == ["a", "b"]
+    assert QueueMessage.objects.get(payload="a").receives == 2
+
+    b.acknowledge_many([i for i, _ in again + second])
+    assert QueueMessage.objects.count() == 0
+
+
+def test_messages_round_trip():
+    m = Message(uuid.uuid4(), 3, priority=2)
+    assert Message.decode(m.encode()) == m
+    assert Message.decode(m.encode().encode()) == m
+
+
+@pytest.fixture
+def redis_broker():
+    client = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+    try:
+        client.ping()
+    except redis.ConnectionError:
+        pytest.fail("the local Redis server is not running (make test expects it)")
+    b = Redis(list_key=f"test-{uuid.uuid4().hex}")
+    yield b
+    b.delete_queue()
+
+
+@pytest.mark.redis
+def test_the_pipeline_runs_on_django_q2_redis_broker(tenant, receiver, redis_broker):
+    services.endpoint_create(tenant=tenant, url=receiver.url("/ok"))
+    for i in range(5):
+        services.publish_event(tenant=tenant, event_type="t", payload={"i": i})
+
+    scheduler_tick()
+    assert relay_tick(b=redis_broker).counts["published"] == 5
+    assert redis_broker.queue_size() == 5
+    assert QueueMessage.objects.count() == 0  # nothing went through the database queue
+    counts = run_workers(broker=redis_broker, lanes=1)
+
+    assert counts["succeeded"] == 5
+    assert Delivery.objects.filter(state="succeeded").count() == 5
+    assert len({r.webhook_id for r in receiver.received}) == 5
+    assert redis_broker.queue_size() == 0
+
+
+@pytest.mark.redis
+def test_a_message_the_redis_broker_lost_is_recovered_by_the_scheduler(
+    tenant, receiver, redis_broker
+):
+    services.endpoint_create(tenant=tenant, url=receiver.url("/ok"))
+    services.publish_event(tenant=tenant, event_type="t", payload={})
+    scheduler_tick()
+    relay_tick(b=redis_broker)
+    # A worker popped it and died: django-q2's Redis broker has no acknowledgement.
+    assert transport.receive(redis_broker, 10)
+    assert run_workers(broker=redis_broker, lanes=1)["messages"] == 0
+
+    Delivery.objects.update(enqueued_at=timezone.now() - timezone.timedelta(hours=1))
+    assert scheduler_tick().counts["transport_lost"] == 1
+    relay_tick(b=redis_broker)
+    run_workers(broker=redis_broker, lanes=1)
+
+    d = Delivery.objects.get()
+    assert d.state == "succeeded" and d.dispatch_count == 2
+    assert [r.webhook_id for r in receiver.received] == [str(d.id)]

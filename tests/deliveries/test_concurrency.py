@@ -1,0 +1,88 @@
+"""Two schedulers, two relays and three workers at once, as real threads against the
+real PostgreSQL database: every delivery is attempted exactly once (no lease expires in
+this test, so a second copy would be a double delivery within a lease)."""
+
+import asyncio
+import threading
+import time
+from collections import Counter
+
+import pytest
+from django.db import connection
+
+from deliveries import services
+from deliveries.loops import StopFlag, relay_tick, run_loop, scheduler_tick
+from deliveries.models import Attempt, Delivery
+from deliveries.worker import Worker
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+EVENTS = 400
+
+
+def test_concurrent_schedulers_relays_and_workers_deliver_each_delivery_once(
+    tenant, receiver, settings
+):
+    settings.SCHEDULER_PAGE_SIZE = 50  # small pages, so the loops really interleave
+    settings.RELAY_PAGE_SIZE = 50
+    settings.WORKER_BATCH_SIZE = 20
+    for path in ("/a", "/b"):
+        services.endpoint_create(tenant=tenant, url=receiver.url(path))
+    for i in range(EVENTS):
+        services.publish_event(tenant=tenant, event_type="t", payload={"i": i})
+    expected = Delivery.objects.count()
+    assert expected == 2 * EVENTS
+
+    stop = StopFlag()
+    loops: list = []
+    errors: list[BaseException] = []
+
+    def in_thread(fn):
+        def run():
+            try:
+                fn()
+            except BaseException as exc:
+                errors.append(exc)
+            finally:
+                connection.close()
+
+        t = threading.Thread(target=run)
+        t.start()
+        return t
+
+    threads = [
+        in_thread(lambda: run_loop("scheduler", scheduler_tick, interval=0.01, stop=stop)),
+        in_thread(lambda: run_loop("scheduler", scheduler_tick, interval=0.01, stop=stop)),
+        in_thread(lambda: run_loop("relay", relay_tick, interval=0.01, stop=stop)),
+        in_thread(lambda: run_loop("relay", relay_tick, interval=0.01, stop=stop)),
+    ]
+    for _ in range(3):
+
+        def work():
+            async def main():
+                loop = asyncio.get_running_loop()
+                stopper = asyncio.Event()
+                loops.append((loop, stopper))
+                await Worker(lanes=2).run(stop=stopper, idle_sleep=0.01)
+
+            asyncio.run(main())
+
+        threads.append(in_thread(work))
+
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if Delivery.objects.filter(state="succeeded").count() == expected:
+            break
+        time.sleep(0.1)
+    stop.event.set()
+    for loop, stopper in loops:
+        loop.call_soon_threadsafe(stopper.set)
+    for t in threads:
+        t.join(30)
+
+    assert errors == []
+    assert Delivery.objects.filter(state="succeeded").count() == expected
+    copies = Counter(r.webhook_id for r in receiver.received)
+    assert len(copies) == expected
+    assert max(copies.values()) == 1
+    assert Attempt.objects.count() == expected

@@ -1,0 +1,132 @@
+"""Crash boundaries from design §4: the real commands are killed (os._exit, as kill -9)
+at each named point, then the pipeline runs on. Each test ends with one terminal logical
+delivery, and every copy the receiver saw carries the same webhook-id."""
+
+import pytest
+from django.utils import timezone
+
+from deliveries import services
+from deliveries.faults import CRASH_EXIT_CODE
+from deliveries.loops import relay_tick, scheduler_tick
+from deliveries.models import Attempt, Delivery, Event, Outbox, QueueMessage
+from tests.conftest import drain, make_due, manage, run_workers, subprocess_env
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+
+@pytest.fixture
+def published(tenant, receiver):
+    services.endpoint_create(tenant=tenant, url=receiver.url("/ok"))
+    event = services.publish_event(tenant=tenant, event_type="t", payload={"n": 1})
+    return Delivery.objects.get(event=event)
+
+
+def crash(*command: str, point: str) -> None:
+    result = manage(*command, env=subprocess_env(FAULT_INJECT_AT=point))
+    assert result.returncode == CRASH_EXIT_CODE, result.stderr
+
+
+def time_passes() -> None:
+    """The test's clock: every lease, claim and visibility timeout runs out."""
+    past = timezone.now() - timezone.timedelta(seconds=1)
+    Delivery.objects.filter(state="leased").update(lease_until=past)
+    Outbox.objects.filter(published_at__isnull=True).update(claimed_until=past)
+    QueueMessage.objects.update(visible_at=past)
+
+
+def assert_one_terminal_delivery(delivery, receiver, copies):
+    delivery.refresh_from_db()
+    assert delivery.state == "succeeded"
+    assert Delivery.objects.count() == 1
+    seen = receiver.requests_to("/ok")
+    assert len(seen) == copies
+    assert {r.webhook_id for r in seen} == {str(delivery.id)}
+    assert QueueMessage.objects.count() == 0
+
+
+def test_a_process_killed_before_the_publish_commits_leaves_nothing(tenant, receiver):
+    services.endpoint_create(tenant=tenant, url=receiver.url("/ok"))
+    code = (
+        "import os; from django.db import transaction; "
+        "from deliveries.services import publish_event; from deliveries.models import Tenant\n"
+        "with transaction.atomic():\n"
+        "    publish_event(tenant=Tenant.objects.get(), event_type='t', payload={})\n"
+        "    os._exit(137)\n"
+    )
+    result = manage("shell", "-c", code, env=subprocess_env())
+    assert result.returncode == 137, result.stderr
+    assert Event.objects.count() == 0
+    assert Delivery.objects.count() == 0
+    drain()
+    assert receiver.received == []
+
+
+def test_relay_killed_after_the_outbox_commit_before_publication(published, receiver):
+    scheduler_tick()
+    crash("run_relay", "--once", point="relay.before_publish")
+
+    outbox = Outbox.objects.get(delivery=published)
+    assert outbox.published_at is None and outbox.claimed_until is not None
+    assert QueueMessage.objects.count() == 0
+    # Another relay cannot take the claimed rows until the claim runs out.
+    assert relay_tick().counts["published"] == 0
+    time_passes()
+    drain()
+
+    assert_one_terminal_delivery(published, receiver, copies=1)
+
+
+def test_relay_killed_after_publication_before_it_is_recorded(published, receiver):
+    scheduler_tick()
+    crash("run_relay", "--once", point="relay.after_publish")
+
+    assert QueueMessage.objects.count() == 1
+    assert Outbox.objects.get(delivery=published).published_at is None
+    time_passes()
+    drain()
+
+    # The relay published the message twice; the lease guard made it one attempt.
+    assert Attempt.objects.filter(delivery=published).count() == 1
+    assert_one_terminal_delivery(published, receiver, copies=1)
+
+
+def test_worker_killed_after_the_receiver_accepted_before_success_is_recorded(published, receiver):
+    scheduler_tick()
+    relay_tick()
+    crash("run_workers", "--once", "--lanes", "1", point="worker.after_send")
+
+    published.refresh_from_db()
+    assert published.state == "leased"
+    assert len(receiver.requests_to("/ok")) == 1
+    time_passes()
+    drain()  # the scheduler expires the lease: pending, waiting a backoff step
+    make_due()
+    drain()
+
+    published.refresh_from_db()
+    assert published.lease_expiries == 1
+    # The receiver got the same webhook-id twice: its idempotency key makes that safe.
+    assert_one_terminal_delivery(published, receiver, copies=2)
+    assert list(Attempt.objects.filter(delivery=published).values_list("number", flat=True)) == [2]
+
+
+def test_worker_killed_during_a_lease_before_sending(published, receiver):
+    scheduler_tick()
+    relay_tick()
+    crash("run_workers", "--once", "--lanes", "1", point="worker.after_lease")
+
+    published.refresh_from_db()
+    assert published.state == "leased"
+    assert receiver.received == []
+    # While the lease holds, nobody else sends it, even with the message visible again.
+    QueueMessage.objects.update(visible_at=timezone.now())
+    assert run_workers()["skipped"] == 1
+    assert scheduler_tick().counts["lease_expired"] == 0
+    assert receiver.received == []
+
+    time_passes()
+    drain()
+    make_due()
+    drain()
+
+    assert_one_terminal_delivery(published, receiver, copies=1)

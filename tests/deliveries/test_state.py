@@ -1,0 +1,181 @@
+"""Transitions of the state machine that the pipeline tests do not reach directly."""
+
+import uuid
+
+import pytest
+from django.utils import timezone
+
+from deliveries import services, state
+from deliveries.loops import relay_tick, scheduler_tick
+from deliveries.models import Delivery, Outbox
+from deliveries.policy import RetryPolicy
+from deliveries.selectors import delivery_explain
+from tests.conftest import drain, run_workers
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+NOW = timezone.now
+
+
+def publish(tenant, n=1, **kw):
+    return [
+        services.publish_event(tenant=tenant, event_type="t", payload={"i": i}, **kw)
+        for i in range(n)
+    ]
+
+
+def test_lease_skips_copies_of_a_message_that_lost_the_race(tenant, make_endpoint):
+    make_endpoint("http://127.0.0.1:9/x")
+    publish(tenant)
+    scheduler_tick()
+    d = Delivery.objects.get()
+    first, skipped = state.lease([(d.id, 1)], now=NOW(), lease_seconds=60)
+    again, skipped_again = state.lease([(d.id, 1)], now=NOW(), lease_seconds=60)
+    assert (len(first), skipped) == (1, 0)
+    assert (len(again), skipped_again) == (0, 1)
+
+
+def test_a_stale_dispatch_cannot_lease_a_newer_one(tenant, make_endpoint):
+    make_endpoint("http://127.0.0.1:9/x")
+    publish(tenant)
+    scheduler_tick()
+    d = Delivery.objects.get()
+    leased, skipped = state.lease([(d.id, 0)], now=NOW(), lease_seconds=60)
+    assert leased == [] and skipped == 1
+
+
+def test_only_the_lease_holder_records_an_outcome(tenant, make_endpoint):
+    make_endpoint("http://127.0.0.1:9/x")
+    publish(tenant)
+    scheduler_tick()
+    d = Delivery.objects.get()
+    [leased], _ = state.lease([(d.id, 1)], now=NOW(), lease_seconds=60)
+    # The lease runs out and the scheduler hands the delivery on.
+    Delivery.objects.filter(id=d.id).update(lease_until=NOW() - timezone.timedelta(seconds=1))
+    policy = RetryPolicy(schedule=(0,), jitter=0)
+    assert state.expire_leases(now=NOW(), limit=10, policy=policy) == 1
+
+    from deliveries.policy import classify
+
+    result = state.AttemptResult(
+        leased=leased,
+        classification=classify(status=200),
+        started_at=NOW(),
+        duration_ms=1.0,
+        status_code=200,
+    )
+    summary = state.record([result], now=NOW(), policy=policy)
+
+    d.refresh_from_db()
+    assert summary.stale == 1 and summary.succeeded == 0
+    assert d.state == "pending"
+    attempt = d.attempts.get()
+    assert attempt.recorded is False  # kept as evidence of what reached the wire
+
+
+def test_an_expired_lease_with_the_schedule_spent_is_dead(tenant, make_endpoint):
+    make_endpoint("http://127.0.0.1:9/x")
+    publish(tenant)
+    scheduler_tick()
+    d = Delivery.objects.get()
+    state.lease([(d.id, 1)], now=NOW(), lease_seconds=-1)
+    assert state.expire_leases(now=NOW(), limit=10, policy=RetryPolicy(schedule=())) == 1
+    d.refresh_from_db()
+    assert d.state == "dead"
+    assert d.last_outcome == "lease_expired"
+    assert d.lease_expiries == 1
+
+
+def test_a_lost_dispatch_is_recovered_with_a_new_outbox_row(tenant, make_endpoint, receiver):
+    make_endpoint(receiver.url("/ok"))
+    publish(tenant)
+    scheduler_tick()
+    relay_tick()
+    d = Delivery.objects.get()
+    # The transport lost the message (a broker without acknowledgements, a purge...).
+    from deliveries.models import QueueMessage
+
+    QueueMessage.objects.all().delete()
+    assert state.recover_lost_dispatches(now=NOW(), older_than=3600, limit=10) == 0
+    assert state.recover_lost_dispatches(now=NOW(), older_than=0, limit=10) == 1
+    d.refresh_from_db()
+    assert d.state == "pending" and d.last_outcome == "transport_lost"
+
+    drain()
+
+    d.refresh_from_db()
+    assert d.state == "succeeded"
+    assert d.dispatch_count == 2
+    assert Outbox.objects.filter(delivery=d).count() == 2
+    assert [r.webhook_id for r in receiver.received] == [str(d.id)]
+
+
+def test_replay_sends_again_with_the_same_identity_and_a_fresh_budget(tenant, receiver):
+    services.endpoint_create(tenant=tenant, url=receiver.url("/ok"))
+    publish(tenant)
+    drain()
+    d = Delivery.objects.get()
+    assert d.state == "succeeded"
+
+    assert services.delivery_replay(delivery_ids=[d.id, uuid.uuid4()]) == 1
+    d.refresh_from_db()
+    assert d.state == "pending" and d.policy_attempts == 0
+    drain()
+
+    d.refresh_from_db()
+    assert d.state == "succeeded" and d.attempt_count == 2
+    assert [r.webhook_id for r in receiver.received] == [str(d.id)] * 2
+
+
+def test_replay_leaves_in_flight_deliveries_alone(tenant, make_endpoint):
+    make_endpoint("http://127.0.0.1:9/x")
+    publish(tenant)
+    scheduler_tick()
+    d = Delivery.objects.get()
+    assert services.delivery_replay(delivery_ids=[d.id]) == 0
+    d.refresh_from_db()
+    assert d.state == "enqueued"
+
+
+def test_cancel_stops_unsent_deliveries_only(tenant, make_endpoint, receiver):
+    make_endpoint(receiver.url("/ok"))
+    publish(tenant, 2)
+    a, b = Delivery.objects.order_by("created_at")
+    scheduler_tick()
+    Delivery.objects.filter(id=b.id).update(state="pending")  # b not yet admitted
+    state.lease([(a.id, 1)], now=NOW(), lease_seconds=60)
+
+    assert services.delivery_cancel(delivery_ids=[a.id, b.id]) == 1
+    b.refresh_from_db()
+    a.refresh_from_db()
+    assert b.state == "dead" and b.last_outcome == "cancelled"
+    assert a.state == "leased"
+
+
+def test_every_transition_is_explained(tenant, make_endpoint, receiver, settings):
+    settings.DELIVERY_RETRY_SCHEDULE = [3600]
+    receiver.behaviours["/down"] = lambda n: (503, {}, b"")
+    endpoint = make_endpoint(receiver.url("/down"))
+    [event] = publish(tenant)
+    d = Delivery.objects.get(event=event)
+
+    assert delivery_explain(d).kind == "stalled"  # due, but no scheduler is running
+    scheduler_tick()
+    d.refresh_from_db()
+    assert delivery_explain(d).kind in {"outbox", "stalled"}
+    relay_tick()
+    d.refresh_from_db()
+    assert delivery_explain(d).kind in {"in_transport", "stalled"}
+    run_workers()
+    d.refresh_from_db()
+    explanation = delivery_explain(d)
+    assert explanation.kind == "waiting"
+    assert "HTTP 503" in explanation.sentence
+
+    settings.DELIVERY_RETRY_SCHEDULE = []
+    endpoint.refresh_from_db()
+    Delivery.objects.filter(id=d.id).update(next_attempt_at=NOW())
+    drain()
+    d.refresh_from_db()
+    assert delivery_explain(d).kind == "dead"
+    assert "Replay" in delivery_explain(d).sentence
