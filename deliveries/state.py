@@ -95,8 +95,9 @@ def admit_due(*, now: datetime, page_size: int, limits: Limits) -> AdmissionResu
     ``max_in_flight``; per tenant, so one noisy tenant cannot fill the queue and starve
     the others; per endpoint (its ``max_concurrency``), which bounds concurrent requests
     to it; and the endpoint's start-rate bucket. Saturated tenants and endpoints are left
-    out of the scan itself, so their backlog cannot hide other tenants' due rows. Within
-    a page, tenants are served round-robin in priority order.
+    out of the scan itself, so their backlog cannot hide other tenants' due rows: the
+    per-tenant ceiling is what guarantees a share to every tenant. Among the rows one
+    scan reads (twice the free slots), tenants are served round-robin.
     """
     result = AdmissionResult()
     with transaction.atomic():

@@ -1,0 +1,34 @@
+"""Entity locks: one row per locked business entity, with an expiry so a holder that
+died cannot keep the entity locked. Inbound handlers take one per entity so that two
+events about the same entity are applied one at a time."""
+
+from datetime import datetime, timedelta
+
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from .models import EntityLock
+
+
+def entity_lock_acquire(*, key: str, owner: str, ttl: float, now: datetime | None = None) -> bool:
+    """Take the lock on ``key`` for ``ttl`` seconds, or take it over if it expired.
+    Returns whether ``owner`` now holds it. Renewing a lock one holds also works."""
+    now = now or timezone.now()
+    expires = now + timedelta(seconds=ttl)
+    # Take over an expired lock, or renew our own: one guarded UPDATE.
+    taken = EntityLock.objects.filter(key=key, expires_at__lt=now).update(
+        owner=owner, expires_at=expires
+    ) or EntityLock.objects.filter(key=key, owner=owner).update(expires_at=expires)
+    if taken:
+        return True
+    try:
+        with transaction.atomic():
+            EntityLock.objects.create(key=key, owner=owner, expires_at=expires)
+    except IntegrityError:
+        return False  # somebody else holds it (the primary key is the uniqueness)
+    return True
+
+
+def entity_lock_release(*, key: str, owner: str) -> bool:
+    """Release ``key`` if ``owner`` still holds it."""
+    return bool(EntityLock.objects.filter(key=key, owner=owner).delete()[0])

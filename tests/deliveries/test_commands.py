@@ -1,0 +1,87 @@
+"""The management commands as real processes: cron-style --once runs, run records,
+SIGTERM finishing in-flight work, create_tenant and delivery_status output."""
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deliveries import services
+from deliveries.loops import relay_tick, scheduler_tick
+from deliveries.models import ApiKey, Delivery, LoopRun
+from deliveries.services import hash_api_key
+from tests.conftest import manage, subprocess_env
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_create_tenant_prints_the_key_alone_on_the_last_line():
+    result = manage("create_tenant", "globex", env=subprocess_env())
+    assert result.returncode == 0, result.stderr
+    key = result.stdout.strip().splitlines()[-1]
+    assert key.startswith("whk_") and " " not in key
+    stored = ApiKey.objects.get(tenant__name="globex")
+    assert stored.key_hash == hash_api_key(key)
+    assert key not in stored.prefix + stored.key_hash
+
+    again = manage("create_tenant", "globex", env=subprocess_env())
+    assert again.returncode != 0
+    assert "exists" in again.stderr
+
+
+def test_once_runs_record_what_they_did(tenant):
+    services.endpoint_create(tenant=tenant, url="http://127.0.0.1:9/x")
+    services.publish_event(tenant=tenant, event_type="t", payload={})
+
+    result = manage("run_scheduler", "--once", env=subprocess_env())
+
+    assert result.returncode == 0, result.stderr
+    assert "enqueued=1" in result.stdout
+    run = LoopRun.objects.get(kind="scheduler")
+    assert run.finished_at is not None
+    assert run.counts["enqueued"] == 1
+
+
+def test_delivery_status_explains_a_delivery(tenant):
+    services.endpoint_create(tenant=tenant, url="http://127.0.0.1:9/x")
+    event = services.publish_event(tenant=tenant, event_type="t", payload={})
+    delivery = Delivery.objects.get(event=event)
+
+    result = manage("delivery_status", str(delivery.id), env=subprocess_env())
+    assert result.returncode == 0, result.stderr
+    assert "no scheduler is running" in result.stdout
+    assert str(delivery.id) in result.stdout
+
+    missing = manage("delivery_status", "not-an-id", env=subprocess_env())
+    assert missing.returncode != 0 and "no delivery" in missing.stderr
+
+
+def test_sigterm_lets_workers_finish_and_record_the_requests_in_flight(tenant, receiver):
+    receiver.delays["/slow"] = 1.5
+    services.endpoint_create(tenant=tenant, url=receiver.url("/slow"))
+    for i in range(3):
+        services.publish_event(tenant=tenant, event_type="t", payload={"i": i})
+    scheduler_tick()
+    relay_tick()
+
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "manage.py"), "run_workers"],
+        env=subprocess_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    receiver.wait_for(3, timeout=20)
+    proc.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    out, err = proc.communicate(timeout=30)
+
+    assert proc.returncode == 0, err
+    assert time.monotonic() - started < 10
+    assert Delivery.objects.filter(state="succeeded").count() == 3
+    assert Delivery.objects.filter(state="leased").count() == 0
