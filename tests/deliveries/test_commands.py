@@ -79,7 +79,7 @@ def test_sigterm_lets_workers_finish_and_record_the_requests_in_flight(tenant, r
     receiver.wait_for(3, timeout=20)
     proc.send_signal(signal.SIGTERM)
     started = time.monotonic()
-    out, err = proc.communicate(timeout=30)
+    _, err = proc.communicate(timeout=30)
 
     assert proc.returncode == 0, err
     assert time.monotonic() - started < 10
