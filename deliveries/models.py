@@ -11,6 +11,12 @@ from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
+from .egress import ErrorKind
+
+ERROR_KIND_CHOICES = [("", "None")] + [
+    (k.value, k.value.replace("_", " ").title()) for k in ErrorKind
+]
+
 
 class Tenant(models.Model):
     """A customer of the service: owns endpoints, events and deliveries."""
@@ -228,19 +234,6 @@ class Delivery(models.Model):
         return str(self.id)
 
 
-class ErrorKind(models.TextChoices):
-    """Why an attempt got no HTTP answer. Mirrors ``deliveries.egress.ErrorKind``."""
-
-    NONE = ""
-    BLOCKED = "blocked"
-    DNS = "dns"
-    CONNECT = "connect"
-    TIMEOUT = "timeout"
-    TLS = "tls"
-    PROTOCOL = "protocol"
-    INVALID_URL = "invalid_url"
-
-
 class Attempt(models.Model):
     """One HTTP attempt, append-only: the evidence of what happened on the wire."""
 
@@ -251,7 +244,8 @@ class Attempt(models.Model):
     duration_ms = models.FloatField()
     status_code = models.PositiveSmallIntegerField(null=True, blank=True)
     outcome = models.CharField(max_length=32, choices=Outcome.choices)
-    error_kind = models.CharField(max_length=16, choices=ErrorKind.choices, blank=True)
+    # Why there was no HTTP answer: one of deliveries.egress.ErrorKind, or "".
+    error_kind = models.CharField(max_length=16, choices=ERROR_KIND_CHOICES, blank=True)
     error = models.CharField(max_length=500, blank=True)
     # A timeout or a dropped connection after sending: the receiver may have acted on it.
     ambiguous = models.BooleanField(default=False)

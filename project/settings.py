@@ -70,7 +70,7 @@ TEMPLATES = [
 # writer), a busy timeout (a writer waits instead of failing with "database is locked"),
 # and IMMEDIATE transactions (take the write lock at BEGIN, so two read-then-write
 # transactions cannot deadlock on the lock upgrade).
-SQLITE_PATH = env.path("SQLITE_PATH", default=str(VAR_DIR / "webhooks.sqlite3"))
+SQLITE_PATH = str(env.path("SQLITE_PATH", default=str(VAR_DIR / "webhooks.sqlite3")))
 if env.str("DATABASE_URL", default=""):
     DATABASES = {"default": env.db("DATABASE_URL")}
     DATABASES["default"].setdefault("CONN_MAX_AGE", env.int("DATABASE_CONN_MAX_AGE", default=60))
