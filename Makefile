@@ -34,6 +34,7 @@ test: $(VENV)/.dev-installed
 	  SECURE_HSTS_SECONDS=31536000 SECURE_HSTS_INCLUDE_SUBDOMAINS=1 SECURE_HSTS_PRELOAD=1 \
 	  ALLOWED_HOSTS=example.com $(PY) manage.py check --deploy --fail-level WARNING; \
 	echo "== migrations"; $(PY) manage.py makemigrations --check --dry-run; \
+	echo "== OpenAPI schema"; $(PY) manage.py spectacular --validate --fail-on-warn >/dev/null; \
 	echo "== pytest (PostgreSQL)"; $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 bench: $(VENV)/.dev-installed

@@ -123,6 +123,9 @@ class Event(models.Model):
     priority = models.SmallIntegerField(default=0)
     # NULL, not "", for "no key": the unique constraint applies only to real keys.
     idempotency_key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
+    # SHA-256 of the create request that carried the idempotency key: the same key with
+    # a different request is refused (422).
+    request_hash = models.CharField(max_length=64, blank=True)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
 
     class Meta:

@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from . import state
@@ -51,7 +51,9 @@ def publish_event(
     priority: int = 0,
     payload_version: int = 1,
     idempotency_key: str | None = None,
+    request_hash: str = "",
     deliver_at: datetime | None = None,
+    endpoint_ids: Iterable[uuid.UUID] | None = None,
 ) -> Event:
     """Record an event and one pending delivery per subscribed, enabled endpoint.
 
@@ -61,7 +63,8 @@ def publish_event(
     scheduler will find them however the process ends. Nothing is sent from here.
 
     ``priority``: higher is sent first when there is a backlog (a password email before
-    a bulk export). ``deliver_at``: not before this time.
+    a bulk export). ``deliver_at``: not before this time. ``endpoint_ids``: exactly these
+    of the tenant's enabled endpoints, whatever their event-type filters (a test event).
     """
     tenant_id = tenant.id if isinstance(tenant, Tenant) else tenant
     body = encode_payload(payload)
@@ -81,10 +84,13 @@ def publish_event(
             body=body,
             priority=priority,
             idempotency_key=idempotency_key,
+            request_hash=request_hash,
         )
         endpoints = Endpoint.objects.filter(tenant_id=tenant_id, enabled=True).only(
             "id", "event_types"
         )
+        if endpoint_ids is not None:
+            endpoints = endpoints.filter(id__in=list(endpoint_ids))
         Delivery.objects.bulk_create(
             [
                 Delivery(
@@ -95,10 +101,59 @@ def publish_event(
                     next_attempt_at=max(deliver_at or now, now),
                 )
                 for endpoint in endpoints
-                if endpoint.subscribes_to(event_type)
+                if endpoint_ids is not None or endpoint.subscribes_to(event_type)
             ]
         )
     return event
+
+
+class IdempotencyInProgress(DomainError):
+    code = "idempotency_key_in_use"
+    status = 409
+
+
+class IdempotencyMismatch(DomainError):
+    code = "idempotency_key_reused"
+    status = 422
+
+
+def event_publish_idempotent(
+    *, tenant: Tenant, idempotency_key: str, request_hash: str, **fields: Any
+) -> tuple[Event, bool]:
+    """``publish_event`` under an ``Idempotency-Key`` (Stripe's semantics). Returns the
+    event and whether it is a replay of an earlier request.
+
+    The same key and request give back the event the first request created, and create
+    nothing; the same key with another request is refused (422); a request arriving
+    while another with the same key is still running is refused (409), which a
+    transaction-scoped advisory lock detects on PostgreSQL. Keys are per tenant.
+    """
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT pg_try_advisory_xact_lock(hashtext(%s), hashtext(%s))",
+                    [str(tenant.id), idempotency_key],
+                )
+                if not cursor.fetchone()[0]:
+                    raise IdempotencyInProgress(
+                        "A request with this Idempotency-Key is in progress; retry later."
+                    )
+        existing = Event.objects.filter(tenant=tenant, idempotency_key=idempotency_key).first()
+        if existing is not None:
+            if existing.request_hash != request_hash:
+                raise IdempotencyMismatch("This Idempotency-Key was used with a different request.")
+            return existing, True
+        event = publish_event(
+            tenant=tenant, idempotency_key=idempotency_key, request_hash=request_hash, **fields
+        )
+    return event, False
+
+
+def request_fingerprint(data: Any) -> str:
+    return hashlib.sha256(
+        json.dumps(data, sort_keys=True, separators=(",", ":"), default=str).encode()
+    ).hexdigest()
 
 
 # --- Tenants and keys ----------------------------------------------------------------
@@ -187,6 +242,39 @@ def active_secrets(
     return found
 
 
+ENDPOINT_UPDATABLE = frozenset(
+    {
+        "url",
+        "description",
+        "event_types",
+        "enabled",
+        "rate_limit",
+        "max_concurrency",
+        "timeout",
+        "headers",
+        "retry_client_errors",
+    }
+)
+
+
+def endpoint_update(*, endpoint: Endpoint, **changes: Any) -> Endpoint:
+    """Change an endpoint's settings. Enabling or disabling goes through the guarded
+    transitions so the reason and the failure clock are kept right."""
+    unknown = set(changes) - ENDPOINT_UPDATABLE
+    if unknown:
+        raise DomainError(f"cannot change {sorted(unknown)}")
+    enabled = changes.pop("enabled", None)
+    with transaction.atomic():
+        if changes:
+            Endpoint.objects.filter(id=endpoint.id).update(**changes, updated_at=timezone.now())
+        if enabled is True:
+            endpoint_enable(endpoint=endpoint)
+        elif enabled is False:
+            endpoint_disable(endpoint=endpoint, reason="disabled by the tenant")
+    endpoint.refresh_from_db()
+    return endpoint
+
+
 def endpoint_enable(*, endpoint: Endpoint) -> bool:
     return bool(
         Endpoint.objects.filter(id=endpoint.id, enabled=False).update(
@@ -208,3 +296,22 @@ def delivery_replay(*, delivery_ids: Iterable[uuid.UUID]) -> int:
 
 def delivery_cancel(*, delivery_ids: Iterable[uuid.UUID]) -> int:
     return state.cancel(delivery_ids=delivery_ids, now=timezone.now())
+
+
+RECOVER_MAX_AGE = timedelta(days=14)
+RECOVER_MAX_ROWS = 10_000
+
+
+def deliveries_recover(
+    *, tenant: Tenant, since: datetime, endpoint_id: uuid.UUID | None = None
+) -> int:
+    """Replay a tenant's dead deliveries that died since ``since`` (at most 14 days back,
+    at most 10,000 at a time; call again for more)."""
+    now = timezone.now()
+    if since < now - RECOVER_MAX_AGE:
+        raise DomainError("since must be within the last 14 days", code="since_too_old")
+    dead = Delivery.objects.filter(tenant=tenant, state=state.DEAD, finished_at__gte=since)
+    if endpoint_id is not None:
+        dead = dead.filter(endpoint_id=endpoint_id)
+    ids = list(dead.order_by("finished_at").values_list("id", flat=True)[:RECOVER_MAX_ROWS])
+    return state.replay(delivery_ids=ids, now=now)

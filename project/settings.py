@@ -127,11 +127,15 @@ REST_FRAMEWORK = {
     "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.CursorPagination",
     "PAGE_SIZE": 50,
+    "EXCEPTION_HANDLER": "deliveries.api.errors.exception_handler",
+    "DEFAULT_THROTTLE_RATES": {"api_key": env.str("API_THROTTLE_RATE", default="50/s")},
+    "UNAUTHENTICATED_USER": None,
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "Webhooks API",
     "DESCRIPTION": "Endpoints, events and delivery history for one tenant.",
     "VERSION": "1.0.0",
+    "ENUM_NAME_OVERRIDES": {"OutcomeEnum": "deliveries.models.Outcome"},
 }
 
 # --- Egress ---------------------------------------------------------------------------

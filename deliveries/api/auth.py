@@ -1,0 +1,70 @@
+"""Bearer API keys: one tenant per key, keys stored as SHA-256 hashes."""
+
+from dataclasses import dataclass
+
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
+from rest_framework import authentication, exceptions, permissions, throttling
+
+from ..models import ApiKey, Tenant
+from ..services import hash_api_key
+
+
+@dataclass(frozen=True)
+class TenantPrincipal:
+    """``request.user`` for API calls: the tenant a key belongs to."""
+
+    tenant: Tenant
+    api_key_id: int
+    is_authenticated: bool = True
+
+    @property
+    def pk(self) -> int:
+        return self.api_key_id
+
+
+class ApiKeyAuthentication(authentication.BaseAuthentication):
+    keyword = "Bearer"
+
+    def authenticate(self, request):
+        header = authentication.get_authorization_header(request).decode("latin-1")
+        if not header:
+            return None
+        scheme, _, key = header.partition(" ")
+        if scheme != self.keyword or not key.strip():
+            raise exceptions.AuthenticationFailed("Use 'Authorization: Bearer <api key>'.")
+        api_key = (
+            ApiKey.objects.select_related("tenant")
+            .filter(key_hash=hash_api_key(key.strip()), revoked_at__isnull=True)
+            .first()
+        )
+        if api_key is None:
+            # One answer for unknown, revoked and malformed keys: nothing to probe.
+            raise exceptions.AuthenticationFailed("Invalid API key.")
+        return TenantPrincipal(tenant=api_key.tenant, api_key_id=api_key.id), api_key
+
+    def authenticate_header(self, request):
+        return self.keyword
+
+
+class IsTenant(permissions.BasePermission):
+    def has_permission(self, request, view):
+        return isinstance(request.user, TenantPrincipal)
+
+
+class ApiKeyThrottle(throttling.SimpleRateThrottle):
+    """Requests per API key (``API_THROTTLE_RATE``), answered 429 with Retry-After."""
+
+    scope = "api_key"
+
+    def get_cache_key(self, request, view):
+        if isinstance(request.user, TenantPrincipal):
+            return self.cache_format % {"scope": self.scope, "ident": request.user.api_key_id}
+        return None
+
+
+class ApiKeyScheme(OpenApiAuthenticationExtension):
+    target_class = ApiKeyAuthentication
+    name = "ApiKey"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "http", "scheme": "bearer"}

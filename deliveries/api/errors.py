@@ -1,0 +1,42 @@
+"""One JSON error shape for every API error:
+
+{"error": {"code": "not_found", "message": "…", "details": {…}}}
+"""
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.http import Http404
+from rest_framework import exceptions
+from rest_framework.response import Response
+from rest_framework.views import exception_handler as drf_exception_handler
+
+from ..services import DomainError
+
+
+def error_response(code: str, message: str, http_status: int, details=None, headers=None):
+    body = {"error": {"code": code, "message": message}}
+    if details:
+        body["error"]["details"] = details
+    return Response(body, status=http_status, headers=headers)
+
+
+def exception_handler(exc, context):
+    if isinstance(exc, DomainError):
+        return error_response(exc.code, exc.message, exc.status)
+    if isinstance(exc, Http404 | DjangoValidationError):
+        exc = exceptions.NotFound()
+    response = drf_exception_handler(exc, context)
+    if response is None:
+        return None
+    if isinstance(exc, exceptions.ValidationError):
+        return error_response(
+            "invalid", "The request is not valid.", response.status_code, details=exc.detail
+        )
+    code = getattr(exc, "default_code", "error")
+    if isinstance(exc, exceptions.APIException):
+        codes = exc.get_codes()
+        code = codes if isinstance(codes, str) else code
+    message = response.data.get("detail", str(exc)) if isinstance(response.data, dict) else str(exc)
+    headers = {
+        k: v for k, v in response.items() if k in ("Retry-After", "WWW-Authenticate", "Allow")
+    }
+    return error_response(str(code), str(message), response.status_code, headers=headers)

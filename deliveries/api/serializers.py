@@ -1,0 +1,162 @@
+"""Input and output shapes of the customer API. No secret appears in any output except
+the endpoint secret in the answers to create and rotate-secret, once."""
+
+from django.conf import settings
+from rest_framework import serializers
+
+from ..egress import EgressError, EgressPolicy
+from ..models import Attempt, Delivery, Endpoint, Event
+from ..selectors import delivery_explain
+from ..worker import PROTOCOL_HEADERS
+
+
+class EndpointInput(serializers.Serializer):
+    url = serializers.URLField(max_length=2000)
+    description = serializers.CharField(max_length=500, required=False, allow_blank=True)
+    event_types = serializers.ListField(
+        child=serializers.CharField(max_length=200), required=False, max_length=100
+    )
+    enabled = serializers.BooleanField(required=False)
+    rate_limit = serializers.FloatField(required=False, allow_null=True, min_value=0.01)
+    max_concurrency = serializers.IntegerField(
+        required=False, allow_null=True, min_value=1, max_value=10_000
+    )
+    timeout = serializers.FloatField(required=False, allow_null=True, min_value=0.1)
+    headers = serializers.DictField(child=serializers.CharField(max_length=1000), required=False)
+    retry_client_errors = serializers.BooleanField(required=False)
+
+    def validate_url(self, url: str) -> str:
+        try:
+            EgressPolicy.from_settings().check_url(url)
+        except EgressError as exc:
+            raise serializers.ValidationError(
+                f"This URL cannot receive webhooks: {exc.detail}"
+            ) from exc
+        return url
+
+    def validate_timeout(self, timeout):
+        if timeout is not None and timeout > settings.DELIVERY_MAX_TIMEOUT:
+            raise serializers.ValidationError(f"at most {settings.DELIVERY_MAX_TIMEOUT} seconds")
+        return timeout
+
+    def validate_headers(self, headers: dict) -> dict:
+        if len(headers) > 20:
+            raise serializers.ValidationError("at most 20 custom headers")
+        reserved = sorted(k for k in headers if k.lower() in PROTOCOL_HEADERS)
+        if reserved:
+            raise serializers.ValidationError(f"these headers are set by the service: {reserved}")
+        return headers
+
+
+class EndpointOutput(serializers.ModelSerializer):
+    # Custom header values may be credentials: only their names are shown.
+    header_names = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Endpoint
+        fields = [
+            "id",
+            "url",
+            "description",
+            "event_types",
+            "enabled",
+            "disabled_reason",
+            "disabled_at",
+            "failing_since",
+            "rate_limit",
+            "max_concurrency",
+            "timeout",
+            "header_names",
+            "retry_client_errors",
+            "created_at",
+            "updated_at",
+        ]
+
+    def get_header_names(self, endpoint) -> list[str]:
+        return sorted(endpoint.headers or {})
+
+
+class EndpointWithSecret(EndpointOutput):
+    secret = serializers.CharField(read_only=True)
+
+    class Meta(EndpointOutput.Meta):
+        fields = [*EndpointOutput.Meta.fields, "secret"]
+
+
+class SecretOutput(serializers.Serializer):
+    secret = serializers.CharField()
+    previous_secrets_expire_at = serializers.DateTimeField()
+
+
+class EventInput(serializers.Serializer):
+    event_type = serializers.CharField(max_length=200)
+    payload = serializers.JSONField()
+    entity_id = serializers.CharField(max_length=200, required=False, allow_blank=True)
+    priority = serializers.IntegerField(required=False, min_value=-100, max_value=100)
+    deliver_at = serializers.DateTimeField(required=False)
+
+
+class EventOutput(serializers.ModelSerializer):
+    payload = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Event
+        fields = ["id", "event_type", "payload", "entity_id", "priority", "created_at"]
+
+    def get_payload(self, event) -> dict:
+        import json
+
+        return json.loads(bytes(event.body))
+
+
+class DeliveryOutput(serializers.ModelSerializer):
+    event_type = serializers.CharField(source="event.event_type")
+    explanation = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Delivery
+        fields = [
+            "id",
+            "event_id",
+            "event_type",
+            "endpoint_id",
+            "state",
+            "attempt_count",
+            "next_attempt_at",
+            "last_attempt_at",
+            "last_status_code",
+            "last_outcome",
+            "created_at",
+            "finished_at",
+            "explanation",
+        ]
+
+    def get_explanation(self, delivery) -> str:
+        return delivery_explain(delivery).sentence
+
+
+class AttemptOutput(serializers.ModelSerializer):
+    class Meta:
+        model = Attempt
+        fields = [
+            "number",
+            "started_at",
+            "duration_ms",
+            "status_code",
+            "outcome",
+            "error_kind",
+            "error",
+            "ambiguous",
+            "response_body",
+            "response_truncated",
+            "request_headers",
+        ]
+
+
+class RecoverInput(serializers.Serializer):
+    since = serializers.DateTimeField()
+    endpoint_id = serializers.UUIDField(required=False)
+
+
+class CountOutput(serializers.Serializer):
+    count = serializers.IntegerField()

@@ -1,0 +1,196 @@
+"""The customer REST API under /api/v1/. Every queryset is filtered by the caller's
+tenant in ``get_queryset``; an id of another tenant is a 404, the same as a random id."""
+
+import django_filters
+from django.db import transaction
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import mixins, pagination, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.response import Response
+
+from .. import services
+from ..models import Attempt, Delivery, DeliveryState, Endpoint, EndpointSecret, Event
+from . import serializers as s
+from .auth import ApiKeyAuthentication, ApiKeyThrottle, IsTenant
+
+
+class NewestFirst(pagination.CursorPagination):
+    ordering = ("-created_at", "-id")
+    page_size = 50
+    page_size_query_param = "limit"
+    max_page_size = 250
+
+
+class TenantScoped:
+    authentication_classes = [ApiKeyAuthentication]
+    permission_classes = [IsTenant]
+    throttle_classes = [ApiKeyThrottle]
+    pagination_class = NewestFirst
+    lookup_value_regex = "[^/]+"
+
+    @property
+    def tenant(self):
+        if getattr(self, "swagger_fake_view", False):  # schema generation: no caller
+            return None
+        return self.request.user.tenant
+
+
+class EndpointViewSet(TenantScoped, viewsets.ModelViewSet):
+    serializer_class = s.EndpointOutput
+    http_method_names = ["get", "post", "patch", "delete"]
+
+    def get_queryset(self):
+        return Endpoint.objects.filter(tenant=self.tenant)
+
+    @extend_schema(request=s.EndpointInput, responses={201: s.EndpointWithSecret})
+    def create(self, request):
+        data = s.EndpointInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        endpoint, secret = services.endpoint_create(tenant=self.tenant, **data.validated_data)
+        endpoint.secret = secret
+        return Response(s.EndpointWithSecret(endpoint).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=s.EndpointInput, responses=s.EndpointOutput)
+    def partial_update(self, request, pk=None):
+        endpoint = self.get_object()
+        data = s.EndpointInput(data=request.data, partial=True)
+        data.is_valid(raise_exception=True)
+        endpoint = services.endpoint_update(endpoint=endpoint, **data.validated_data)
+        return Response(s.EndpointOutput(endpoint).data)
+
+    @extend_schema(request=None, responses=s.SecretOutput)
+    @action(detail=True, methods=["post"], url_path="rotate-secret")
+    def rotate_secret(self, request, pk=None):
+        endpoint = self.get_object()
+        secret = services.endpoint_rotate_secret(endpoint=endpoint)
+        expires = (
+            EndpointSecret.objects.filter(endpoint=endpoint, expires_at__isnull=False)
+            .order_by("-expires_at")
+            .values_list("expires_at", flat=True)
+            .first()
+        )
+        return Response({"secret": secret, "previous_secrets_expire_at": expires})
+
+    @extend_schema(request=None, responses={202: s.EventOutput})
+    @action(detail=True, methods=["post"])
+    def test(self, request, pk=None):
+        """Send a ``webhook.test`` event to this endpoint only."""
+        endpoint = self.get_object()
+        event = services.publish_event(
+            tenant=self.tenant,
+            event_type="webhook.test",
+            payload={"message": "test event", "endpoint_id": str(endpoint.id)},
+            endpoint_ids=[endpoint.id],
+        )
+        return Response(s.EventOutput(event).data, status=status.HTTP_202_ACCEPTED)
+
+
+class EventFilter(django_filters.FilterSet):
+    event_type = django_filters.CharFilter()
+    entity_id = django_filters.CharFilter()
+    created_after = django_filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="gte")
+    created_before = django_filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="lt")
+
+    class Meta:
+        model = Event
+        fields = ["event_type", "entity_id"]
+
+
+class EventViewSet(
+    TenantScoped, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet
+):
+    serializer_class = s.EventOutput
+    filterset_class = EventFilter
+
+    def get_queryset(self):
+        return Event.objects.filter(tenant=self.tenant)
+
+    @extend_schema(
+        request=s.EventInput,
+        responses={201: s.EventOutput},
+        parameters=[OpenApiParameter("Idempotency-Key", str, OpenApiParameter.HEADER)],
+    )
+    def create(self, request):
+        data = s.EventInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        key = request.headers.get("Idempotency-Key")
+        if key is None:
+            event = services.publish_event(tenant=self.tenant, **data.validated_data)
+            return Response(s.EventOutput(event).data, status=status.HTTP_201_CREATED)
+        if not key.strip() or len(key) > 255:
+            raise services.DomainError(
+                "Idempotency-Key must be 1 to 255 characters", code="invalid_idempotency_key"
+            )
+        event, replayed = services.event_publish_idempotent(
+            tenant=self.tenant,
+            idempotency_key=key,
+            request_hash=services.request_fingerprint(request.data),
+            **data.validated_data,
+        )
+        headers = {"Idempotent-Replayed": "true"} if replayed else {}
+        return Response(s.EventOutput(event).data, status=status.HTTP_201_CREATED, headers=headers)
+
+
+class DeliveryFilter(django_filters.FilterSet):
+    state = django_filters.ChoiceFilter(choices=DeliveryState.choices)
+    endpoint_id = django_filters.UUIDFilter()
+    event_id = django_filters.UUIDFilter()
+    event_type = django_filters.CharFilter(field_name="event__event_type")
+    created_after = django_filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="gte")
+    created_before = django_filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="lt")
+
+    class Meta:
+        model = Delivery
+        fields = ["state", "endpoint_id", "event_id"]
+
+
+class DeliveryViewSet(
+    TenantScoped, mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet
+):
+    serializer_class = s.DeliveryOutput
+    filterset_class = DeliveryFilter
+
+    def get_queryset(self):
+        return Delivery.objects.filter(tenant=self.tenant).select_related("event")
+
+    @extend_schema(responses=s.AttemptOutput(many=True))
+    @action(detail=True, methods=["get"])
+    def attempts(self, request, pk=None):
+        delivery = self.get_object()
+        page = self.paginate_queryset(
+            Attempt.objects.filter(delivery=delivery).order_by("number", "id")
+        )
+        return self.get_paginated_response(s.AttemptOutput(page, many=True).data)
+
+    def paginate_queryset(self, queryset):
+        if self.action == "attempts":
+            paginator = pagination.LimitOffsetPagination()
+            paginator.default_limit = 100
+            self._paginator = paginator
+        return super().paginate_queryset(queryset)
+
+    @extend_schema(request=None, responses={202: s.CountOutput})
+    @action(detail=True, methods=["post"])
+    def replay(self, request, pk=None):
+        delivery = self.get_object()
+        count = services.delivery_replay(delivery_ids=[delivery.id])
+        return Response({"count": count}, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=s.RecoverInput, responses={202: s.CountOutput})
+    @action(detail=False, methods=["post"])
+    def recover(self, request):
+        """Replay dead deliveries that died since a time (at most 14 days back, 10,000
+        at a time)."""
+        data = s.RecoverInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        endpoint_id = data.validated_data.get("endpoint_id")
+        if endpoint_id and not Endpoint.objects.filter(id=endpoint_id, tenant=self.tenant).exists():
+            return Response(
+                {"error": {"code": "not_found", "message": "No such endpoint."}},
+                status=status.HTTP_404_NOT_FOUND,
+            )
+        with transaction.atomic():
+            count = services.deliveries_recover(
+                tenant=self.tenant, since=data.validated_data["since"], endpoint_id=endpoint_id
+            )
+        return Response({"count": count}, status=status.HTTP_202_ACCEPTED)

@@ -1,0 +1,407 @@
+"""The customer REST API: shapes, tenant isolation, idempotency, errors."""
+
+import json
+import threading
+import uuid
+
+import pytest
+from django.db import connection
+from django.urls import get_resolver
+from rest_framework.test import APIClient
+
+from deliveries import services
+from deliveries.models import ApiKey, Delivery, Event, Tenant
+from tests.conftest import drain
+
+pytestmark = pytest.mark.django_db
+
+
+def client_for(tenant_name: str) -> tuple[APIClient, Tenant, str]:
+    tenant, key = services.tenant_create(name=tenant_name)
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {key}")
+    return client, tenant, key
+
+
+@pytest.fixture
+def alice():
+    return client_for("alice")
+
+
+@pytest.fixture
+def bob():
+    return client_for("bob")
+
+
+def test_create_an_endpoint_and_get_its_secret_once(alice):
+    client, tenant, _ = alice
+    r = client.post(
+        "/api/v1/endpoints/",
+        {"url": "https://example.com/hook", "event_types": ["invoice.paid"]},
+        format="json",
+    )
+    assert r.status_code == 201, r.content
+    assert r.json()["secret"].startswith("whsec_")
+    listed = client.get("/api/v1/endpoints/").json()
+    assert [e["id"] for e in listed["results"]] == [r.json()["id"]]
+    assert "secret" not in json.dumps(listed)
+    detail = client.get(f"/api/v1/endpoints/{r.json()['id']}/").json()
+    assert "secret" not in detail
+
+
+def test_an_endpoint_url_the_egress_guard_refuses_is_a_clear_400(alice, settings):
+    client, _, _ = alice
+    settings.EGRESS_ALLOW_NETWORKS = []
+    for url in ("http://169.254.169.254/latest", "ftp://example.com/", "http://2130706433/"):
+        r = client.post("/api/v1/endpoints/", {"url": url}, format="json")
+        assert r.status_code == 400, url
+        assert r.json()["error"]["code"] == "invalid"
+        assert "url" in r.json()["error"]["details"]
+
+
+def test_custom_headers_are_write_only_and_protocol_headers_are_refused(alice):
+    client, _, _ = alice
+    r = client.post(
+        "/api/v1/endpoints/",
+        {"url": "https://example.com/h", "headers": {"X-Token": "s3cret"}},
+        format="json",
+    )
+    assert r.status_code == 201
+    assert r.json()["header_names"] == ["X-Token"]
+    assert "s3cret" not in r.content.decode()
+    bad = client.post(
+        "/api/v1/endpoints/",
+        {"url": "https://example.com/h", "headers": {"webhook-id": "x"}},
+        format="json",
+    )
+    assert bad.status_code == 400
+
+
+def test_rotate_secret_keeps_the_old_one_signing_for_the_overlap(alice):
+    client, _, _ = alice
+    created = client.post("/api/v1/endpoints/", {"url": "https://example.com/h"}, format="json")
+    endpoint_id = created.json()["id"]
+    r = client.post(f"/api/v1/endpoints/{endpoint_id}/rotate-secret/")
+    assert r.status_code == 200
+    assert r.json()["secret"] != created.json()["secret"]
+    assert r.json()["previous_secrets_expire_at"] is not None
+    from django.utils import timezone
+
+    active = services.active_secrets([uuid.UUID(endpoint_id)], now=timezone.now())
+    assert active[uuid.UUID(endpoint_id)] == [r.json()["secret"], created.json()["secret"]]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_publish_deliver_and_read_the_history(receiver):
+    client, tenant, _ = client_for("carol")
+    client.post("/api/v1/endpoints/", {"url": receiver.url("/ok")}, format="json")
+    r = client.post(
+        "/api/v1/events/", {"event_type": "invoice.paid", "payload": {"n": 1}}, format="json"
+    )
+    assert r.status_code == 201
+    drain()
+
+    deliveries = client.get("/api/v1/deliveries/", {"event_id": r.json()["id"]}).json()
+    [delivery] = deliveries["results"]
+    assert delivery["state"] == "succeeded"
+    assert delivery["id"] == receiver.received[0].webhook_id
+    attempts = client.get(f"/api/v1/deliveries/{delivery['id']}/attempts/").json()["results"]
+    assert [a["status_code"] for a in attempts] == [200]
+    assert "webhook-signature" not in attempts[0]["request_headers"]
+
+    replay = client.post(f"/api/v1/deliveries/{delivery['id']}/replay/")
+    assert replay.status_code == 202 and replay.json() == {"count": 1}
+    drain()
+    assert [r.webhook_id for r in receiver.received] == [delivery["id"]] * 2
+
+
+def test_filters_and_cursor_pagination(alice):
+    client, tenant, _ = alice
+    client.post("/api/v1/endpoints/", {"url": "https://example.com/h"}, format="json")
+    for i in range(7):
+        client.post(
+            "/api/v1/events/",
+            {"event_type": "a" if i % 2 else "b", "payload": {"i": i}},
+            format="json",
+        )
+    page = client.get("/api/v1/deliveries/", {"limit": 3}).json()
+    seen = [d["id"] for d in page["results"]]
+    while page["next"]:
+        page = client.get(page["next"]).json()
+        seen += [d["id"] for d in page["results"]]
+    assert len(seen) == len(set(seen)) == 7
+    only_a = client.get("/api/v1/deliveries/", {"event_type": "a"}).json()["results"]
+    assert len(only_a) == 3
+    pending = client.get("/api/v1/deliveries/", {"state": "pending"}).json()["results"]
+    assert len(pending) == 7
+    bad = client.get("/api/v1/deliveries/", {"state": "nonsense"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid"
+
+
+def test_bulk_recovery_replays_dead_deliveries_since_a_time(alice):
+    client, tenant, _ = alice
+    client.post("/api/v1/endpoints/", {"url": "https://example.com/h"}, format="json")
+    for i in range(3):
+        client.post("/api/v1/events/", {"event_type": "t", "payload": {}}, format="json")
+    from django.utils import timezone
+
+    Delivery.objects.update(state="dead", finished_at=timezone.now())
+    since = (timezone.now() - timezone.timedelta(hours=1)).isoformat()
+    r = client.post("/api/v1/deliveries/recover/", {"since": since}, format="json")
+    assert r.status_code == 202 and r.json() == {"count": 3}
+    assert Delivery.objects.filter(state="pending").count() == 3
+    too_old = (timezone.now() - timezone.timedelta(days=30)).isoformat()
+    r = client.post("/api/v1/deliveries/recover/", {"since": too_old}, format="json")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "since_too_old"
+
+
+# --- Authentication -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "header",
+    [None, "Bearer", "Bearer ", "Bearer whk_nope", "Basic abc", "bearer whk_x", "Token x"],
+)
+def test_missing_malformed_and_unknown_keys_are_401_with_one_shape(header):
+    client = APIClient()
+    if header is not None:
+        client.credentials(HTTP_AUTHORIZATION=header)
+    r = client.get("/api/v1/endpoints/")
+    assert r.status_code == 401
+    assert set(r.json()) == {"error"}
+    assert r["WWW-Authenticate"] == "Bearer"
+
+
+def test_a_revoked_key_stops_working(alice):
+    client, tenant, _ = alice
+    assert client.get("/api/v1/events/").status_code == 200
+    from django.utils import timezone
+
+    ApiKey.objects.filter(tenant=tenant).update(revoked_at=timezone.now())
+    assert client.get("/api/v1/events/").status_code == 401
+
+
+def test_requests_past_the_per_key_rate_get_429_with_retry_after(alice, settings):
+    from django.core.cache import cache
+
+    cache.clear()
+    settings.REST_FRAMEWORK = {
+        **settings.REST_FRAMEWORK,
+        "DEFAULT_THROTTLE_RATES": {"api_key": "3/min"},
+    }
+    from rest_framework.settings import api_settings
+
+    api_settings.reload()
+    from deliveries.api.auth import ApiKeyThrottle
+
+    ApiKeyThrottle.THROTTLE_RATES = api_settings.DEFAULT_THROTTLE_RATES
+    try:
+        client, _, _ = alice
+        codes = [client.get("/api/v1/events/").status_code for _ in range(4)]
+        assert codes == [200, 200, 200, 429]
+        r = client.get("/api/v1/events/")
+        assert r.json()["error"]["code"] == "throttled"
+        assert int(r["Retry-After"]) > 0
+    finally:
+        settings.REST_FRAMEWORK = {
+            **settings.REST_FRAMEWORK,
+            "DEFAULT_THROTTLE_RATES": {"api_key": "50/s"},
+        }
+        api_settings.reload()
+        ApiKeyThrottle.THROTTLE_RATES = api_settings.DEFAULT_THROTTLE_RATES
+        cache.clear()
+
+
+# --- Tenant isolation, over every route -----------------------------------------------
+
+
+def api_routes() -> list[str]:
+    """Every /api/v1/ URL pattern that takes an object id, from the resolver itself, so a
+    new route is covered without editing this test."""
+    found = set()
+
+    def walk(patterns, prefix=""):
+        for p in patterns:
+            if hasattr(p, "url_patterns"):
+                walk(p.url_patterns, prefix + str(p.pattern))
+            else:
+                found.add(prefix + str(p.pattern))
+
+    walk(get_resolver().url_patterns)
+    return sorted(r for r in found if r.startswith("^api/") or r.startswith("api/"))
+
+
+def object_routes():
+    routes = []
+    for r in api_routes():
+        if "(?P<pk>" not in r or "\\.(?P<format>" in r:
+            continue
+        path = r.lstrip("^").replace("(?P<pk>[^/]+)", "{id}").replace("/?$", "/").rstrip("$")
+        path = path.replace("\\", "").replace("^", "")
+        routes.append("/" + path)
+    return sorted(set(routes))
+
+
+def test_the_route_list_covers_every_object_route():
+    assert object_routes() == [
+        "/api/v1/deliveries/{id}/",
+        "/api/v1/deliveries/{id}/attempts/",
+        "/api/v1/deliveries/{id}/replay/",
+        "/api/v1/endpoints/{id}/",
+        "/api/v1/endpoints/{id}/rotate-secret/",
+        "/api/v1/endpoints/{id}/test/",
+        "/api/v1/events/{id}/",
+    ]
+
+
+@pytest.mark.parametrize("route", object_routes())
+@pytest.mark.parametrize("method", ["get", "post", "patch", "delete"])
+def test_another_tenants_id_is_404_exactly_like_a_random_id(route, method, alice, bob):
+    alice_client, alice_tenant, _ = alice
+    bob_client, bob_tenant, _ = bob
+    endpoint, _ = services.endpoint_create(tenant=bob_tenant, url="https://example.com/b")
+    event = services.publish_event(tenant=bob_tenant, event_type="t", payload={})
+    delivery = Delivery.objects.get(event=event)
+    bob_id = {"endpoints": endpoint.id, "events": event.id, "deliveries": delivery.id}[
+        route.split("/")[3]
+    ]
+
+    def call(client, object_id):
+        return getattr(client, method)(route.format(id=object_id), {}, format="json")
+
+    theirs = call(alice_client, bob_id)
+    random_ = call(alice_client, uuid.uuid4())
+    garbage = call(alice_client, "not-a-uuid")
+    if random_.status_code == 405:
+        assert theirs.status_code == 405
+        return
+    assert theirs.status_code == random_.status_code == garbage.status_code == 404
+    assert theirs.json() == random_.json() == garbage.json()
+    # And nothing of Bob's changed.
+    delivery.refresh_from_db()
+    endpoint.refresh_from_db()
+    assert delivery.state == "pending" and endpoint.enabled
+    assert bob_client.get(route.format(id=bob_id)).status_code in (200, 405)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {},
+        {"state": "pending"},
+        {"endpoint_id": "X"},
+        {"event_id": "X"},
+        {"event_type": "t"},
+        {"limit": 1},
+    ],
+)
+@pytest.mark.parametrize("collection", ["endpoints", "events", "deliveries"])
+def test_lists_never_show_another_tenants_rows(collection, params, alice, bob):
+    alice_client, alice_tenant, _ = alice
+    _, bob_tenant, _ = bob
+    endpoint, _ = services.endpoint_create(tenant=bob_tenant, url="https://example.com/b")
+    event = services.publish_event(tenant=bob_tenant, event_type="t", payload={})
+    params = {
+        k: (str(endpoint.id) if k == "endpoint_id" else str(event.id)) if v == "X" else v
+        for k, v in params.items()
+    }
+    page = alice_client.get(f"/api/v1/{collection}/", params)
+    assert page.status_code == 200
+    body = page.json()
+    assert body["results"] == []
+    for _ in range(3):  # follow every cursor too
+        if not body.get("next"):
+            break
+        body = alice_client.get(body["next"]).json()
+        assert body["results"] == []
+
+
+# --- Idempotency-Key (Stripe's semantics) ---------------------------------------------
+
+
+def post_event(client, body, key):
+    return client.post("/api/v1/events/", body, format="json", HTTP_IDEMPOTENCY_KEY=key)
+
+
+def test_the_same_key_and_body_returns_the_same_answer_and_creates_nothing(alice):
+    client, _, _ = alice
+    body = {"event_type": "t", "payload": {"a": 1}}
+    first = post_event(client, body, "k1")
+    second = post_event(client, body, "k1")
+    assert first.status_code == second.status_code == 201
+    assert first.json() == second.json()
+    assert second["Idempotent-Replayed"] == "true"
+    assert Event.objects.count() == 1
+
+
+def test_the_same_key_with_another_body_is_422(alice):
+    client, _, _ = alice
+    post_event(client, {"event_type": "t", "payload": {"a": 1}}, "k1")
+    r = post_event(client, {"event_type": "t", "payload": {"a": 2}}, "k1")
+    assert r.status_code == 422
+    assert r.json()["error"]["code"] == "idempotency_key_reused"
+    assert Event.objects.count() == 1
+
+
+def test_keys_are_scoped_per_tenant(alice, bob):
+    body = {"event_type": "t", "payload": {}}
+    assert post_event(alice[0], body, "same").status_code == 201
+    r = post_event(bob[0], body, "same")
+    assert r.status_code == 201
+    assert "Idempotent-Replayed" not in r
+    assert Event.objects.count() == 2
+
+
+def test_a_request_that_fails_validation_stores_nothing(alice):
+    client, _, _ = alice
+    bad = post_event(client, {"payload": {}}, "k1")
+    assert bad.status_code == 400
+    good = post_event(client, {"event_type": "t", "payload": {}}, "k1")
+    assert good.status_code == 201
+    assert "Idempotent-Replayed" not in good
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_concurrent_requests_with_one_key_one_executes_the_other_gets_409():
+    client_a, tenant, key = client_for("dave")
+    # Hold the key's lock as a first request still running would.
+    from django.db import transaction
+
+    started, release = threading.Event(), threading.Event()
+    results = {}
+
+    def first():
+        try:
+            with transaction.atomic():
+                event, replayed = services.event_publish_idempotent(
+                    tenant=tenant,
+                    idempotency_key="k",
+                    event_type="t",
+                    payload={},
+                    request_hash=services.request_fingerprint({"event_type": "t", "payload": {}}),
+                )
+                started.set()
+                release.wait(10)
+            results["first"] = replayed
+        finally:
+            connection.close()
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert started.wait(10)
+    second = post_event(client_a, {"event_type": "t", "payload": {}}, "k")
+    release.set()
+    t.join()
+    assert second.status_code == 409
+    assert second.json()["error"]["code"] == "idempotency_key_in_use"
+    assert results["first"] is False
+    assert Event.objects.count() == 1
+    # Once the first finished, the same request is a replay.
+    again = post_event(client_a, {"event_type": "t", "payload": {}}, "k")
+    assert again.status_code == 201 and again["Idempotent-Replayed"] == "true"
+
+
+def test_openapi_schema_is_served(alice):
+    r = APIClient().get("/api/schema/")
+    assert r.status_code == 200
+    assert b"/api/v1/deliveries/" in r.content
