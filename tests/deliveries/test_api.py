@@ -34,7 +34,7 @@ def bob():
 
 
 def test_create_an_endpoint_and_get_its_secret_once(alice):
-    client, tenant, _ = alice
+    client, _tenant, _ = alice
     r = client.post(
         "/api/v1/endpoints/",
         {"url": "https://example.com/hook", "event_types": ["invoice.paid"]},
@@ -93,7 +93,7 @@ def test_rotate_secret_keeps_the_old_one_signing_for_the_overlap(alice):
 
 @pytest.mark.django_db(transaction=True)
 def test_publish_deliver_and_read_the_history(receiver):
-    client, tenant, _ = client_for("carol")
+    client, _tenant, _ = client_for("carol")
     client.post("/api/v1/endpoints/", {"url": receiver.url("/ok")}, format="json")
     r = client.post(
         "/api/v1/events/", {"event_type": "invoice.paid", "payload": {"n": 1}}, format="json"
@@ -116,7 +116,7 @@ def test_publish_deliver_and_read_the_history(receiver):
 
 
 def test_filters_and_cursor_pagination(alice):
-    client, tenant, _ = alice
+    client, _tenant, _ = alice
     client.post("/api/v1/endpoints/", {"url": "https://example.com/h"}, format="json")
     for i in range(7):
         client.post(
@@ -139,9 +139,9 @@ def test_filters_and_cursor_pagination(alice):
 
 
 def test_bulk_recovery_replays_dead_deliveries_since_a_time(alice):
-    client, tenant, _ = alice
+    client, _tenant, _ = alice
     client.post("/api/v1/endpoints/", {"url": "https://example.com/h"}, format="json")
-    for i in range(3):
+    for _i in range(3):
         client.post("/api/v1/events/", {"event_type": "t", "payload": {}}, format="json")
     from django.utils import timezone
 
@@ -257,7 +257,7 @@ def test_the_route_list_covers_every_object_route():
 @pytest.mark.parametrize("route", object_routes())
 @pytest.mark.parametrize("method", ["get", "post", "patch", "delete"])
 def test_another_tenants_id_is_404_exactly_like_a_random_id(route, method, alice, bob):
-    alice_client, alice_tenant, _ = alice
+    alice_client, _alice_tenant, _ = alice
     bob_client, bob_tenant, _ = bob
     endpoint, _ = services.endpoint_create(tenant=bob_tenant, url="https://example.com/b")
     event = services.publish_event(tenant=bob_tenant, event_type="t", payload={})
@@ -297,7 +297,7 @@ def test_another_tenants_id_is_404_exactly_like_a_random_id(route, method, alice
 )
 @pytest.mark.parametrize("collection", ["endpoints", "events", "deliveries"])
 def test_lists_never_show_another_tenants_rows(collection, params, alice, bob):
-    alice_client, alice_tenant, _ = alice
+    alice_client, _alice_tenant, _ = alice
     _, bob_tenant, _ = bob
     endpoint, _ = services.endpoint_create(tenant=bob_tenant, url="https://example.com/b")
     event = services.publish_event(tenant=bob_tenant, event_type="t", payload={})
@@ -363,7 +363,7 @@ def test_a_request_that_fails_validation_stores_nothing(alice):
 
 @pytest.mark.django_db(transaction=True)
 def test_two_concurrent_requests_with_one_key_one_executes_the_other_gets_409():
-    client_a, tenant, key = client_for("dave")
+    client_a, tenant, _key = client_for("dave")
     # Hold the key's lock as a first request still running would.
     from django.db import transaction
 
@@ -373,7 +373,7 @@ def test_two_concurrent_requests_with_one_key_one_executes_the_other_gets_409():
     def first():
         try:
             with transaction.atomic():
-                event, replayed = services.event_publish_idempotent(
+                _event, replayed = services.event_publish_idempotent(
                     tenant=tenant,
                     idempotency_key="k",
                     event_type="t",
