@@ -1,0 +1,29 @@
+import pytest
+from django.test import Client
+
+
+def test_healthz_answers_without_the_database():
+    assert Client().get("/healthz").json() == {"status": "ok"}
+
+
+@pytest.mark.django_db
+def test_readyz_checks_database_migrations_and_broker():
+    r = Client().get("/readyz")
+    assert r.status_code == 200
+    assert r.json()["checks"] == {"database": "ok", "migrations": "ok", "broker": "ok"}
+
+
+@pytest.mark.django_db
+def test_readyz_is_503_when_the_broker_is_unreachable(settings, monkeypatch):
+    from django_q.brokers.redis_broker import Redis
+
+    import deliveries.broker
+
+    unreachable = Redis.__new__(Redis)
+    import redis
+
+    unreachable.connection = redis.Redis.from_url("redis://127.0.0.1:1/0")
+    monkeypatch.setattr(deliveries.broker, "broker", lambda: unreachable)
+    r = Client().get("/readyz")
+    assert r.status_code == 503
+    assert r.json()["checks"]["broker"] == "unavailable"
