@@ -1,9 +1,64 @@
-"""Operator console (a first cut: read-only history and replay)."""
+"""The operator's console: read-only history, and actions that call services and write an
+audit row in the same transaction. Viewing needs the usual view permissions; replaying
+and cancelling need ``deliveries.replay_delivery``."""
+
+import json
+import uuid
+from collections import Counter
+from datetime import timedelta
 
 from django.contrib import admin, messages
+from django.core.paginator import Paginator
+from django.db.models import Avg, Count, Max, Q
+from django.http import HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
+from django.utils import timezone
+from django.utils.functional import cached_property
+from django.utils.html import format_html, format_html_join
 
 from . import services
-from .models import Attempt, Delivery, Endpoint, Event, LoopRun, Tenant
+from .models import (
+    ApiKey,
+    Attempt,
+    AuditEntry,
+    Delivery,
+    DeliveryState,
+    Endpoint,
+    Event,
+    EventType,
+    LoopRun,
+    Tenant,
+)
+from .selectors import delivery_explain
+
+STATE_COLOURS = {
+    DeliveryState.PENDING: "#b7791f",
+    DeliveryState.ENQUEUED: "#2b6cb0",
+    DeliveryState.LEASED: "#6b46c1",
+    DeliveryState.SUCCEEDED: "#2f855a",
+    DeliveryState.DEAD: "#c53030",
+}
+
+
+def state_badge(state: str):
+    return format_html(
+        '<span class="state-badge" style="background:{};color:#fff;padding:1px 6px;'
+        'border-radius:8px;font-size:11px">{}</span>',
+        STATE_COLOURS.get(state, "#4a5568"),
+        state,
+    )
+
+
+class CappedCountPaginator(Paginator):
+    """Counting every row of a table of millions on each page view is what makes admin
+    logs slow. Count at most CAP + 1 rows; the page says "10000+" past that."""
+
+    CAP = 10_000
+
+    @cached_property
+    def count(self) -> int:
+        return self.object_list.order_by()[: self.CAP + 1].count()
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -17,25 +72,57 @@ class ReadOnlyAdmin(admin.ModelAdmin):
         return False
 
 
-@admin.register(Tenant)
-class TenantAdmin(admin.ModelAdmin):
-    list_display = ["name", "id", "created_at"]
-    search_fields = ["name"]
+# --- Filters ---------------------------------------------------------------------------
 
 
-@admin.register(Endpoint)
-class EndpointAdmin(admin.ModelAdmin):
-    list_display = ["url", "tenant", "enabled", "failing_since", "disabled_reason"]
-    list_filter = ["enabled"]
-    search_fields = ["url", "id"]
-    readonly_fields = ["failing_since", "disabled_at", "disabled_reason"]
+class TenantFilter(admin.SimpleListFilter):
+    title = "tenant"
+    parameter_name = "tenant"
+
+    def lookups(self, request, model_admin):
+        return [(str(t.id), t.name) for t in Tenant.objects.order_by("name")[:200]]
+
+    def queryset(self, request, queryset):
+        value = _uuid(self.value())
+        return queryset.filter(tenant_id=value) if value else queryset
 
 
-@admin.register(Event)
-class EventAdmin(ReadOnlyAdmin):
-    list_display = ["id", "event_type", "tenant", "entity_id", "created_at"]
-    search_fields = ["id", "entity_id"]
-    show_full_result_count = False
+class EndpointFilter(admin.SimpleListFilter):
+    """Set by the links on the endpoint and dead-letter pages; lists only the endpoint
+    chosen, so the filter never loads every endpoint."""
+
+    title = "endpoint"
+    parameter_name = "endpoint"
+
+    def lookups(self, request, model_admin):
+        value = _uuid(self.value())
+        endpoint = Endpoint.objects.filter(id=value).first() if value else None
+        return [(str(endpoint.id), endpoint.url)] if endpoint else []
+
+    def queryset(self, request, queryset):
+        value = _uuid(self.value())
+        return queryset.filter(endpoint_id=value) if value else queryset
+
+
+class EventTypeFilter(admin.SimpleListFilter):
+    title = "event type"
+    parameter_name = "event_type"
+
+    def lookups(self, request, model_admin):
+        return [(t, t) for t in EventType.objects.order_by("name").values_list("name", flat=True)]
+
+    def queryset(self, request, queryset):
+        return queryset.filter(event__event_type=self.value()) if self.value() else queryset
+
+
+def _uuid(value):
+    try:
+        return uuid.UUID(str(value)) if value else None
+    except ValueError:
+        return None
+
+
+# --- Deliveries ------------------------------------------------------------------------
 
 
 class AttemptInline(admin.TabularInline):
@@ -49,43 +136,470 @@ class AttemptInline(admin.TabularInline):
         "error_kind",
         "ambiguous",
         "recorded",
-        "response_body",
+        "response_excerpt",
     ]
     readonly_fields = fields
     extra = 0
     can_delete = False
     ordering = ["number", "id"]
+    verbose_name_plural = "attempt timeline"
 
     def has_add_permission(self, request, obj=None):
         return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    @admin.display(description="response")
+    def response_excerpt(self, attempt):
+        text = attempt.error or attempt.response_body
+        return (text[:300] + "…") if len(text) > 300 else text
 
 
 @admin.register(Delivery)
 class DeliveryAdmin(ReadOnlyAdmin):
     list_display = [
         "id",
-        "state",
-        "endpoint",
+        "badge",
+        "tenant",
+        "endpoint_url",
+        "event_type",
         "attempt_count",
         "next_attempt_at",
         "last_status_code",
         "last_outcome",
         "created_at",
     ]
-    list_filter = ["state", "last_outcome"]
-    search_fields = ["=id", "=event__id", "=event__entity_id"]
-    list_select_related = ["endpoint"]
+    list_filter = [
+        "state",
+        TenantFilter,
+        EndpointFilter,
+        EventTypeFilter,
+        "last_outcome",
+        ("created_at", admin.DateFieldListFilter),
+    ]
+    search_help_text = "A delivery id (webhook-id), an event id, or an entity id."
+    search_fields = ["event__entity_id"]  # ids are matched exactly in get_search_results
+    list_select_related = ["endpoint", "tenant", "event"]
     show_full_result_count = False
+    paginator = CappedCountPaginator
+    list_per_page = 50
+    ordering = ["-created_at"]
     inlines = [AttemptInline]
-    actions = ["replay"]
+    actions = ["replay_selected", "cancel_selected"]
+    readonly_fields = [
+        "where_it_stands",
+        "badge",
+        "id",
+        "event_link",
+        "endpoint",
+        "tenant",
+        "attempt_count",
+        "policy_attempts",
+        "dispatch_count",
+        "lease_expiries",
+        "next_attempt_at",
+        "enqueued_at",
+        "lease_until",
+        "last_outcome",
+        "last_status_code",
+        "last_error",
+        "last_attempt_at",
+        "created_at",
+        "finished_at",
+        "headers_sent",
+        "event_body",
+    ]
+    fieldsets = [
+        (None, {"fields": ["where_it_stands", "badge", "id", "event_link", "endpoint", "tenant"]}),
+        (
+            "Counters",
+            {"fields": ["attempt_count", "policy_attempts", "dispatch_count", "lease_expiries"]},
+        ),
+        (
+            "Clock",
+            {
+                "fields": [
+                    "created_at",
+                    "next_attempt_at",
+                    "enqueued_at",
+                    "lease_until",
+                    "last_attempt_at",
+                    "finished_at",
+                ]
+            },
+        ),
+        ("Last outcome", {"fields": ["last_outcome", "last_status_code", "last_error"]}),
+        ("What was sent", {"fields": ["headers_sent", "event_body"]}),
+    ]
+    change_form_template = "admin/deliveries/delivery/change_form.html"
 
-    @admin.action(description="Replay: send again with the same webhook-id")
-    def replay(self, request, queryset):
-        n = services.delivery_replay(delivery_ids=list(queryset.values_list("id", flat=True)))
-        self.message_user(request, f"{n} deliveries returned to pending.", messages.SUCCESS)
+    def get_search_results(self, request, queryset, search_term):
+        term = search_term.strip()
+        if not term:
+            return queryset, False
+        as_uuid = _uuid(term)
+        condition = Q(event__entity_id=term)
+        if as_uuid:
+            condition |= Q(id=as_uuid) | Q(event_id=as_uuid)
+        return queryset.filter(condition), False
+
+    def has_replay_permission(self, request):
+        return request.user.has_perm("deliveries.replay_delivery")
+
+    @admin.display(description="state", ordering="state")
+    def badge(self, d):
+        return state_badge(d.state)
+
+    @admin.display(description="endpoint")
+    def endpoint_url(self, d):
+        return d.endpoint.url
+
+    @admin.display(description="event type")
+    def event_type(self, d):
+        return d.event.event_type
+
+    @admin.display(description="where it stands")
+    def where_it_stands(self, d):
+        return delivery_explain(d).sentence
+
+    @admin.display(description="event")
+    def event_link(self, d):
+        url = reverse("admin:deliveries_event_change", args=[d.event_id])
+        return format_html('<a href="{}">{} {}</a>', url, d.event.event_type, d.event_id)
+
+    @admin.display(description="headers sent (last attempt)")
+    def headers_sent(self, d):
+        attempt = d.attempts.order_by("-number", "-id").first()
+        if attempt is None:
+            return "no attempt yet"
+        return format_html_join(
+            "", "<div><code>{}: {}</code></div>", sorted(attempt.request_headers.items())
+        )
+
+    @admin.display(description="body")
+    def event_body(self, d):
+        return _pretty_body(d.event.body)
+
+    # Replay and cancel: a confirmation page that shows the rows and event types first.
+
+    @admin.action(
+        description="Replay selected deliveries (same webhook-id)", permissions=["replay"]
+    )
+    def replay_selected(self, request, queryset):
+        return self._confirm(request, queryset, "replay")
+
+    @admin.action(description="Cancel selected deliveries (not yet sent)", permissions=["replay"])
+    def cancel_selected(self, request, queryset):
+        return self._confirm(request, queryset, "cancel")
+
+    def _confirm(self, request, queryset, operation):
+        ids = list(queryset.values_list("id", flat=True)[:10_001])
+        if len(ids) > 10_000:
+            self.message_user(request, "Select at most 10,000 deliveries.", messages.ERROR)
+            return None
+        types = Counter(
+            Delivery.objects.filter(id__in=ids).values_list("event__event_type", flat=True)
+        )
+        safe = set(
+            EventType.objects.filter(name__in=types, replay_safe=True).values_list(
+                "name", flat=True
+            )
+        )
+        unsafe = sorted(t for t in types if t not in safe)
+        needs_extra = operation == "replay" and len(ids) > 1 and bool(unsafe)
+        if request.POST.get("confirm") == "yes":
+            if needs_extra and request.POST.get("unsafe_confirmed") != "yes":
+                self.message_user(
+                    request,
+                    "Replaying event types not marked replay-safe needs the extra confirmation.",
+                    messages.ERROR,
+                )
+            else:
+                service = (
+                    services.delivery_replay if operation == "replay" else services.delivery_cancel
+                )
+                n = service(delivery_ids=ids, actor=request.user, via="admin")
+                verb = "returned to pending" if operation == "replay" else "cancelled"
+                self.message_user(
+                    request, f"{n} of {len(ids)} deliveries {verb}.", messages.SUCCESS
+                )
+                return None
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"Confirm {operation}",
+            "operation": operation,
+            "count": len(ids),
+            "types": [(t, n, t in safe) for t, n in types.most_common()],
+            "needs_extra": needs_extra,
+            "ids": ids,
+            "action": f"{operation}_selected",
+            "opts": self.model._meta,
+            "action_checkbox_name": admin.helpers.ACTION_CHECKBOX_NAME,
+        }
+        return TemplateResponse(request, "admin/deliveries/confirm_action.html", context)
+
+    def get_urls(self):
+        return [
+            path(
+                "dead-letters/",
+                self.admin_site.admin_view(self.dead_letters_view),
+                name="deliveries_delivery_dead_letters",
+            ),
+            path(
+                "<uuid:delivery_id>/replay/",
+                self.admin_site.admin_view(self.replay_one),
+                name="deliveries_delivery_replay",
+            ),
+            *super().get_urls(),
+        ]
+
+    def replay_one(self, request, delivery_id):
+        if not self.has_replay_permission(request):
+            self.message_user(
+                request, "You may view deliveries but not replay them.", messages.ERROR
+            )
+        elif request.method == "POST":
+            n = services.delivery_replay(
+                delivery_ids=[delivery_id], actor=request.user, via="admin"
+            )
+            self.message_user(
+                request,
+                "Delivery returned to pending: it will be sent again with the same webhook-id."
+                if n
+                else "This delivery is in flight already; nothing to replay.",
+                messages.SUCCESS if n else messages.WARNING,
+            )
+        return HttpResponseRedirect(reverse("admin:deliveries_delivery_change", args=[delivery_id]))
+
+    def dead_letters_view(self, request):
+        """Dead deliveries grouped by endpoint and reason, largest groups first."""
+        groups = (
+            Delivery.objects.filter(state=DeliveryState.DEAD)
+            .values("endpoint_id", "endpoint__url", "tenant__name", "last_outcome")
+            .annotate(count=Count("id"), latest=Max("finished_at"))
+            .order_by("-count")[:200]
+        )
+        changelist = reverse("admin:deliveries_delivery_changelist")
+        rows = [
+            {
+                **g,
+                "link": f"{changelist}?state=dead&endpoint={g['endpoint_id']}"
+                f"&last_outcome={g['last_outcome']}",
+            }
+            for g in groups
+        ]
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Dead letters",
+            "rows": rows,
+            "opts": self.model._meta,
+        }
+        return TemplateResponse(request, "admin/deliveries/dead_letters.html", context)
+
+
+def _pretty_body(body) -> str:
+    raw = bytes(body)
+    try:
+        text = json.dumps(json.loads(raw), indent=2, ensure_ascii=False)
+    except ValueError:
+        text = raw.decode("utf-8", errors="replace")
+    if len(text) > 20_000:
+        text = text[:20_000] + "\n… (truncated)"
+    return format_html("<pre style='max-height:30em;overflow:auto'>{}</pre>", text)
+
+
+# --- Endpoints -------------------------------------------------------------------------
+
+
+@admin.register(Endpoint)
+class EndpointAdmin(admin.ModelAdmin):
+    list_display = [
+        "url",
+        "tenant",
+        "enabled",
+        "success_rate_24h",
+        "mean_latency_24h",
+        "failing_since",
+        "disabled_reason",
+        "deliveries_link",
+    ]
+    list_filter = ["enabled", TenantFilter]
+    search_fields = ["url"]
+    fields = [
+        "tenant",
+        "url",
+        "description",
+        "event_types",
+        "enabled",
+        "disabled_reason",
+        "disabled_at",
+        "failing_since",
+        "rate_limit",
+        "max_concurrency",
+        "timeout",
+        "retry_client_errors",
+    ]
+    readonly_fields = ["enabled", "failing_since", "disabled_at", "disabled_reason"]
+    actions = ["enable", "disable", "rotate_secret"]
+    show_full_result_count = False
+
+    def get_changelist_instance(self, request):
+        changelist = super().get_changelist_instance(request)
+        # Health over the last 24 h for the endpoints on this page only: one query.
+        ids = [e.id for e in changelist.result_list]
+        since = timezone.now() - timedelta(hours=24)
+        stats = {
+            row["delivery__endpoint_id"]: row
+            for row in Attempt.objects.filter(started_at__gte=since, delivery__endpoint_id__in=ids)
+            .values("delivery__endpoint_id")
+            .annotate(
+                total=Count("id"),
+                ok=Count("id", filter=Q(outcome="success")),
+                latency=Avg("duration_ms"),
+            )
+        }
+        for endpoint in changelist.result_list:
+            endpoint.health = stats.get(endpoint.id)
+        return changelist
+
+    @admin.display(description="success 24 h")
+    def success_rate_24h(self, endpoint):
+        h = getattr(endpoint, "health", None)
+        return f"{100 * h['ok'] / h['total']:.1f}% of {h['total']}" if h else "—"
+
+    @admin.display(description="mean latency 24 h")
+    def mean_latency_24h(self, endpoint):
+        h = getattr(endpoint, "health", None)
+        return f"{h['latency']:.0f} ms" if h else "—"
+
+    @admin.display(description="deliveries")
+    def deliveries_link(self, endpoint):
+        url = reverse("admin:deliveries_delivery_changelist") + f"?endpoint={endpoint.id}"
+        return format_html('<a href="{}">log</a>', url)
+
+    @admin.action(description="Enable selected endpoints")
+    def enable(self, request, queryset):
+        n = sum(services.endpoint_enable(endpoint=e, actor=request.user) for e in queryset)
+        self.message_user(request, f"{n} endpoints enabled.", messages.SUCCESS)
+
+    @admin.action(description="Disable selected endpoints")
+    def disable(self, request, queryset):
+        n = sum(
+            services.endpoint_disable(endpoint=e, reason="disabled by staff", actor=request.user)
+            for e in queryset
+        )
+        self.message_user(request, f"{n} endpoints disabled.", messages.SUCCESS)
+
+    @admin.action(description="Rotate the signing secret (old one signs for 24 h more)")
+    def rotate_secret(self, request, queryset):
+        for endpoint in queryset:
+            secret = services.endpoint_rotate_secret(endpoint=endpoint, actor=request.user)
+            self.message_user(
+                request,
+                f"New secret for {endpoint.url} (shown once; give it to the tenant): {secret}",
+                messages.WARNING,
+            )
+
+
+# --- The rest --------------------------------------------------------------------------
+
+
+@admin.register(Tenant)
+class TenantAdmin(admin.ModelAdmin):
+    list_display = ["name", "id", "created_at"]
+    search_fields = ["name"]
+    actions = ["create_api_key"]
+
+    @admin.action(description="Create an API key (shown once)")
+    def create_api_key(self, request, queryset):
+        for tenant in queryset:
+            _, key = services.api_key_create(tenant=tenant, name="admin", actor=request.user)
+            self.message_user(
+                request, f"API key for {tenant.name} (shown once): {key}", messages.WARNING
+            )
+
+
+@admin.register(ApiKey)
+class ApiKeyAdmin(ReadOnlyAdmin):
+    list_display = ["prefix", "tenant", "name", "created_at", "revoked_at"]
+    list_filter = [TenantFilter]
+    fields = ["prefix", "tenant", "name", "created_at", "revoked_at"]
+    actions = ["revoke"]
+
+    @admin.action(description="Revoke selected keys")
+    def revoke(self, request, queryset):
+        n = services.api_keys_revoke(
+            key_ids=list(queryset.values_list("id", flat=True)), actor=request.user
+        )
+        self.message_user(request, f"{n} keys revoked.", messages.SUCCESS)
+
+    def has_change_permission(self, request, obj=None):
+        return request.user.has_perm("deliveries.change_apikey")
+
+
+@admin.register(EventType)
+class EventTypeAdmin(admin.ModelAdmin):
+    list_display = ["name", "owner", "replay_safe", "description"]
+    list_editable = ["replay_safe"]
+    search_fields = ["name", "owner"]
+
+
+@admin.register(Event)
+class EventAdmin(ReadOnlyAdmin):
+    list_display = ["id", "event_type", "tenant", "entity_id", "priority", "created_at"]
+    list_filter = [TenantFilter]
+    fields = [
+        "id",
+        "tenant",
+        "event_type",
+        "payload_version",
+        "entity_id",
+        "priority",
+        "idempotency_key",
+        "created_at",
+        "body_pretty",
+    ]
+    readonly_fields = fields
+    paginator = CappedCountPaginator
+    show_full_result_count = False
+    ordering = ["-created_at"]
+
+    def get_search_results(self, request, queryset, search_term):
+        term = search_term.strip()
+        if not term:
+            return queryset, False
+        as_uuid = _uuid(term)
+        condition = Q(entity_id=term) | (Q(id=as_uuid) if as_uuid else Q(pk__in=[]))
+        return queryset.filter(condition), False
+
+    search_fields = ["entity_id"]
+
+    @admin.display(description="body")
+    def body_pretty(self, event):
+        return _pretty_body(event.body)
+
+
+@admin.register(AuditEntry)
+class AuditEntryAdmin(ReadOnlyAdmin):
+    list_display = ["created_at", "actor", "action", "target", "count", "details"]
+    list_filter = ["action"]
+    paginator = CappedCountPaginator
+    show_full_result_count = False
 
 
 @admin.register(LoopRun)
 class LoopRunAdmin(ReadOnlyAdmin):
-    list_display = ["kind", "host", "pid", "started_at", "heartbeat_at", "finished_at", "ticks"]
+    list_display = [
+        "kind",
+        "host",
+        "pid",
+        "started_at",
+        "heartbeat_at",
+        "finished_at",
+        "ticks",
+        "counts",
+    ]
     list_filter = ["kind"]
+    paginator = CappedCountPaginator
+    show_full_result_count = False

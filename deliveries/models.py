@@ -197,6 +197,9 @@ class Delivery(models.Model):
 
     class Meta:
         verbose_name_plural = "deliveries"
+        permissions = [
+            ("replay_delivery", "Can replay and cancel deliveries"),
+        ]
         constraints = [
             models.UniqueConstraint(fields=["event", "endpoint"], name="delivery_event_endpoint"),
             models.CheckConstraint(
@@ -222,7 +225,10 @@ class Delivery(models.Model):
                 condition=Q(state__in=["enqueued", "leased"]),
                 name="delivery_in_flight",
             ),
-            # Customer history and the admin log: one tenant's or endpoint's newest first.
+            # Customer history and the admin log: newest first, in all, by state, or for
+            # one tenant or endpoint.
+            models.Index(fields=["-created_at"], name="delivery_created"),
+            models.Index(fields=["state", "-created_at"], name="delivery_state_created"),
             models.Index(fields=["tenant", "-created_at"], name="delivery_tenant_created"),
             models.Index(fields=["endpoint", "-created_at"], name="delivery_endpoint_created"),
             # Dead-letter view and bulk recovery.
@@ -269,6 +275,8 @@ class Attempt(models.Model):
         indexes = [
             # The attempt timeline of one delivery.
             models.Index(fields=["delivery", "number"], name="attempt_delivery_number"),
+            # Endpoint health over the last 24 hours (admin).
+            models.Index(fields=["started_at"], name="attempt_started"),
         ]
 
 
@@ -353,3 +361,38 @@ class LoopRun(models.Model):
 
 def endpoint_timeout(endpoint: Endpoint) -> float:
     return min(endpoint.timeout or settings.DELIVERY_TIMEOUT, settings.DELIVERY_MAX_TIMEOUT)
+
+
+class EventType(models.Model):
+    """A kind of event, with the team that owns it and whether replaying it in bulk is
+    safe (a receiver that is not idempotent for it would double-charge, double-email…)."""
+
+    name = models.CharField(max_length=200, primary_key=True)
+    owner = models.CharField(max_length=200, blank=True, help_text="Team or person to ask.")
+    description = models.TextField(blank=True)
+    replay_safe = models.BooleanField(
+        default=False, help_text="Receivers handle a replay of this type without harm."
+    )
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class AuditEntry(models.Model):
+    """Who did what to which rows, written in the same transaction as the change."""
+
+    id = models.BigAutoField(primary_key=True)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    action = models.CharField(max_length=100)
+    target = models.CharField(max_length=100)
+    count = models.PositiveIntegerField(default=0)
+    details = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        verbose_name_plural = "audit entries"
+
+    def __str__(self) -> str:
+        return f"{self.action} {self.count} {self.target}"

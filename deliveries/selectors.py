@@ -25,6 +25,10 @@ class Explanation:
     details: list[str] = field(default_factory=list)
 
 
+def _t(moment: datetime | None) -> str:
+    return f"{moment:%Y-%m-%d %H:%M:%S}" if moment else "an unrecorded time"
+
+
 def _loop_alive(kind: str, now: datetime) -> bool:
     return LoopRun.objects.filter(
         kind=kind, finished_at__isnull=True, heartbeat_at__gte=now - LOOP_STALE_AFTER
@@ -50,20 +54,20 @@ def delivery_explain(delivery: Delivery, *, now: datetime | None = None) -> Expl
     if state == DeliveryState.PENDING and d.next_attempt_at > now:
         return Explanation(
             "waiting",
-            f"Waiting by policy until {d.next_attempt_at:%Y-%m-%d %H:%M:%S} UTC{last}.",
+            f"Waiting by policy until {_t(d.next_attempt_at)} UTC{last}.",
             details,
         )
     if state == DeliveryState.PENDING:
         if not _loop_alive("scheduler", now):
             return Explanation(
                 "stalled",
-                f"Due since {d.next_attempt_at:%Y-%m-%d %H:%M:%S} UTC, but no scheduler is "
+                f"Due since {_t(d.next_attempt_at)} UTC, but no scheduler is "
                 "running: start run_scheduler.",
                 details,
             )
         return Explanation(
             "due",
-            f"Due since {d.next_attempt_at:%Y-%m-%d %H:%M:%S} UTC; the scheduler admits it "
+            f"Due since {_t(d.next_attempt_at)} UTC; the scheduler admits it "
             "as soon as the tenant's and endpoint's in-flight ceilings allow.",
             details,
         )
@@ -74,21 +78,21 @@ def delivery_explain(delivery: Delivery, *, now: datetime | None = None) -> Expl
             alive = _loop_alive("relay", now)
             return Explanation(
                 "outbox" if alive else "stalled",
-                f"In the outbox since {d.enqueued_at:%H:%M:%S} UTC, waiting for the relay"
+                f"In the outbox since {_t(d.enqueued_at)} UTC, waiting for the relay"
                 + ("." if alive else ", but no relay is running: start run_relay."),
                 details,
             )
         if now > stale_at:
             return Explanation(
                 "in_transport",
-                f"Handed to the transport at {d.enqueued_at:%H:%M:%S} UTC and not taken by "
+                f"Handed to the transport at {_t(d.enqueued_at)} UTC and not taken by "
                 "a worker since: the transport lost it; the scheduler dispatches it again.",
                 details,
             )
         alive = _loop_alive("workers", now)
         return Explanation(
             "in_transport" if alive else "stalled",
-            f"In transport since {d.enqueued_at:%H:%M:%S} UTC (dispatch {d.dispatch_count})"
+            f"In transport since {_t(d.enqueued_at)} UTC (dispatch {d.dispatch_count})"
             + ("; a worker will take it." if alive else ", but no worker is running."),
             details,
         )
@@ -96,26 +100,26 @@ def delivery_explain(delivery: Delivery, *, now: datetime | None = None) -> Expl
         if d.lease_until < now:
             return Explanation(
                 "leased",
-                f"The worker's lease ran out at {d.lease_until:%H:%M:%S} UTC (it died or hung); "
+                f"The worker's lease ran out at {_t(d.lease_until)} UTC (it died or hung); "
                 "the scheduler returns the delivery to pending.",
                 details,
             )
         return Explanation(
             "leased",
-            f"Leased by a worker until {d.lease_until:%H:%M:%S} UTC: attempt "
+            f"Leased by a worker until {_t(d.lease_until)} UTC: attempt "
             f"{d.attempt_count} is in flight.",
             details,
         )
     if state == DeliveryState.SUCCEEDED:
         return Explanation(
             "succeeded",
-            f"Succeeded at {d.finished_at:%Y-%m-%d %H:%M:%S} UTC with HTTP {d.last_status_code} "
+            f"Succeeded at {_t(d.finished_at)} UTC with HTTP {d.last_status_code} "
             f"after {d.attempt_count} attempt(s).",
             details,
         )
     return Explanation(
         "dead",
-        f"Dead since {d.finished_at:%Y-%m-%d %H:%M:%S} UTC: {d.last_outcome or 'unknown'}"
+        f"Dead since {_t(d.finished_at)} UTC: {d.last_outcome or 'unknown'}"
         + (f" — {d.last_error}" if d.last_error else "")
         + (f" (HTTP {d.last_status_code})" if d.last_status_code else "")
         + ". Replay sends it again with the same webhook-id.",

@@ -15,7 +15,7 @@ from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from . import state
-from .models import ApiKey, Delivery, Endpoint, EndpointSecret, Event, Tenant
+from .models import ApiKey, AuditEntry, Delivery, Endpoint, EndpointSecret, Event, Tenant
 from .signing import generate_secret
 
 
@@ -166,13 +166,32 @@ def hash_api_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def api_key_create(*, tenant: Tenant, name: str = "") -> tuple[ApiKey, str]:
+def api_key_create(*, tenant: Tenant, name: str = "", actor=None) -> tuple[ApiKey, str]:
     """A new API key. The plain key is returned once and never stored."""
     key = API_KEY_PREFIX + secrets.token_urlsafe(32)
-    api_key = ApiKey.objects.create(
-        tenant=tenant, name=name, prefix=key[:12], key_hash=hash_api_key(key)
-    )
+    with transaction.atomic():
+        api_key = ApiKey.objects.create(
+            tenant=tenant, name=name, prefix=key[:12], key_hash=hash_api_key(key)
+        )
+        if actor is not None:
+            audit(
+                actor=actor,
+                action="api_key.create",
+                target="api_key",
+                count=1,
+                tenant=str(tenant.id),
+                prefix=api_key.prefix,
+            )
     return api_key, key
+
+
+def api_keys_revoke(*, key_ids: Iterable[int], actor=None) -> int:
+    with transaction.atomic():
+        n = ApiKey.objects.filter(id__in=list(key_ids), revoked_at__isnull=True).update(
+            revoked_at=timezone.now()
+        )
+        audit(actor=actor, action="api_key.revoke", target="api_key", count=n)
+    return n
 
 
 def tenant_create(*, name: str) -> tuple[Tenant, str]:
@@ -211,7 +230,9 @@ def endpoint_create(
     return endpoint, secret
 
 
-def endpoint_rotate_secret(*, endpoint: Endpoint, overlap: timedelta = timedelta(hours=24)) -> str:
+def endpoint_rotate_secret(
+    *, endpoint: Endpoint, overlap: timedelta = timedelta(hours=24), actor=None
+) -> str:
     """Add a new secret; the current ones keep signing for ``overlap`` so receivers can
     switch without dropping a message. Returns the new secret."""
     now = timezone.now()
@@ -222,6 +243,13 @@ def endpoint_rotate_secret(*, endpoint: Endpoint, overlap: timedelta = timedelta
         )
         EndpointSecret.objects.filter(endpoint=endpoint, expires_at__lte=now).delete()
         EndpointSecret.objects.create(endpoint=endpoint, secret=secret)
+        audit(
+            actor=actor,
+            action="endpoint.rotate_secret",
+            target="endpoint",
+            count=1,
+            endpoint=str(endpoint.id),
+        )
     return secret
 
 
@@ -275,27 +303,84 @@ def endpoint_update(*, endpoint: Endpoint, **changes: Any) -> Endpoint:
     return endpoint
 
 
-def endpoint_enable(*, endpoint: Endpoint) -> bool:
-    return bool(
-        Endpoint.objects.filter(id=endpoint.id, enabled=False).update(
-            enabled=True, disabled_reason="", disabled_at=None, failing_since=None
+def endpoint_enable(*, endpoint: Endpoint, actor=None) -> bool:
+    with transaction.atomic():
+        changed = bool(
+            Endpoint.objects.filter(id=endpoint.id, enabled=False).update(
+                enabled=True, disabled_reason="", disabled_at=None, failing_since=None
+            )
         )
-    )
+        if changed:
+            audit(
+                actor=actor,
+                action="endpoint.enable",
+                target="endpoint",
+                count=1,
+                endpoint=str(endpoint.id),
+            )
+    return changed
 
 
-def endpoint_disable(*, endpoint: Endpoint, reason: str) -> bool:
-    return state.endpoint_set_disabled(endpoint_id=endpoint.id, reason=reason, now=timezone.now())
+def endpoint_disable(*, endpoint: Endpoint, reason: str, actor=None) -> bool:
+    with transaction.atomic():
+        changed = state.endpoint_set_disabled(
+            endpoint_id=endpoint.id, reason=reason, now=timezone.now()
+        )
+        if changed:
+            audit(
+                actor=actor,
+                action="endpoint.disable",
+                target="endpoint",
+                count=1,
+                endpoint=str(endpoint.id),
+                reason=reason,
+            )
+    return changed
 
 
 # --- Deliveries ----------------------------------------------------------------------
 
 
-def delivery_replay(*, delivery_ids: Iterable[uuid.UUID]) -> int:
-    return state.replay(delivery_ids=delivery_ids, now=timezone.now())
+def audit(*, actor, action: str, target: str, count: int, **details: Any) -> AuditEntry:
+    """An audit row; call it inside the transaction that makes the change."""
+    return AuditEntry.objects.create(
+        actor=actor if getattr(actor, "is_authenticated", False) else None,
+        action=action,
+        target=target,
+        count=count,
+        details=details,
+    )
 
 
-def delivery_cancel(*, delivery_ids: Iterable[uuid.UUID]) -> int:
-    return state.cancel(delivery_ids=delivery_ids, now=timezone.now())
+def delivery_replay(*, delivery_ids: Iterable[uuid.UUID], actor=None, via: str = "api") -> int:
+    """Send deliveries again with the same identity; audited."""
+    ids = list(delivery_ids)
+    with transaction.atomic():
+        count = state.replay(delivery_ids=ids, now=timezone.now())
+        audit(
+            actor=actor,
+            action="delivery.replay",
+            target="delivery",
+            count=count,
+            via=via,
+            ids=[str(i) for i in ids[:100]],
+        )
+    return count
+
+
+def delivery_cancel(*, delivery_ids: Iterable[uuid.UUID], actor=None, via: str = "api") -> int:
+    ids = list(delivery_ids)
+    with transaction.atomic():
+        count = state.cancel(delivery_ids=ids, now=timezone.now())
+        audit(
+            actor=actor,
+            action="delivery.cancel",
+            target="delivery",
+            count=count,
+            via=via,
+            ids=[str(i) for i in ids[:100]],
+        )
+    return count
 
 
 RECOVER_MAX_AGE = timedelta(days=14)
@@ -314,4 +399,4 @@ def deliveries_recover(
     if endpoint_id is not None:
         dead = dead.filter(endpoint_id=endpoint_id)
     ids = list(dead.order_by("finished_at").values_list("id", flat=True)[:RECOVER_MAX_ROWS])
-    return state.replay(delivery_ids=ids, now=now)
+    return delivery_replay(delivery_ids=ids, via=f"recover since {since.isoformat()}")

@@ -173,7 +173,9 @@ class DeliveryViewSet(
     @action(detail=True, methods=["post"])
     def replay(self, request, pk=None):
         delivery = self.get_object()
-        count = services.delivery_replay(delivery_ids=[delivery.id])
+        count = services.delivery_replay(
+            delivery_ids=[delivery.id], via=f"api key {request.user.api_key_id}"
+        )
         return Response({"count": count}, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(request=s.RecoverInput, responses={202: s.CountOutput})

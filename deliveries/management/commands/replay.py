@@ -16,5 +16,5 @@ class Command(BaseCommand):
             ids = [uuid.UUID(d) for d in delivery_ids]
         except ValueError as exc:
             raise CommandError(f"not a delivery id: {exc}") from exc
-        n = delivery_replay(delivery_ids=ids)
+        n = delivery_replay(delivery_ids=ids, via="command")
         self.stdout.write(f"{n} of {len(ids)} deliveries returned to pending")

@@ -1,0 +1,145 @@
+"""The operator console, through Django's test client."""
+
+import pytest
+from django.contrib.auth.models import Permission, User
+from django.test import Client
+from django.urls import reverse
+from django.utils import timezone
+
+from deliveries import services
+from deliveries.admin import CappedCountPaginator
+from deliveries.models import AuditEntry, Delivery, EventType, Tenant
+
+pytestmark = pytest.mark.django_db
+
+CHANGELIST = "/admin/deliveries/delivery/"
+
+
+@pytest.fixture
+def data():
+    tenant = Tenant.objects.create(name="acme")
+    endpoint, _ = services.endpoint_create(tenant=tenant, url="https://example.com/hook")
+    events = [
+        services.publish_event(tenant=tenant, event_type=t, payload={"n": i}, entity_id=f"e{i}")
+        for i, t in enumerate(["invoice.paid", "invoice.paid", "user.created"])
+    ]
+    Delivery.objects.update(
+        state="dead", last_outcome="permanent", last_status_code=400, finished_at=timezone.now()
+    )
+    return tenant, endpoint, events
+
+
+def staff(*perms: str) -> Client:
+    user = User.objects.create_user(f"u{User.objects.count()}", password="pw", is_staff=True)
+    for codename in ("view_delivery", "view_attempt", "view_endpoint", "view_event", *perms):
+        user.user_permissions.add(Permission.objects.get(codename=codename))
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def test_the_delivery_log_lists_filters_and_searches(data):
+    tenant, endpoint, events = data
+    client = staff()
+    page = client.get(CHANGELIST)
+    assert page.status_code == 200
+    assert page.content.count(b"state-badge") == 3
+
+    EventType.objects.create(name="invoice.paid")
+    filtered = client.get(
+        CHANGELIST,
+        {
+            "event_type": "invoice.paid",
+            "state": "dead",
+            "tenant": str(tenant.id),
+            "endpoint": str(endpoint.id),
+        },
+    )
+    assert filtered.status_code == 200
+    assert filtered.content.count(b"state-badge") == 2
+
+    delivery = Delivery.objects.get(event=events[2])
+    for term in (str(delivery.id), str(events[2].id), "e2"):
+        found = client.get(CHANGELIST, {"q": term})
+        assert found.content.count(b"state-badge") == 1, term
+    assert client.get(CHANGELIST, {"q": "not-an-id"}).status_code == 200
+
+
+def test_a_delivery_page_explains_where_it_stands(data):
+    _, _, events = data
+    delivery = Delivery.objects.get(event=events[0])
+    page = staff().get(reverse("admin:deliveries_delivery_change", args=[delivery.id]))
+    assert page.status_code == 200
+    assert b"Dead since" in page.content
+    assert b"attempt timeline" in page.content.lower()
+
+
+def test_viewing_does_not_allow_replaying(data):
+    client = staff()
+    ids = [str(d) for d in Delivery.objects.values_list("id", flat=True)]
+    r = client.post(CHANGELIST, {"action": "replay_selected", "_selected_action": ids})
+    assert Delivery.objects.filter(state="pending").count() == 0
+    assert r.status_code in (200, 302)
+    one = client.post(reverse("admin:deliveries_delivery_replay", args=[ids[0]]))
+    assert one.status_code == 302
+    assert Delivery.objects.filter(state="pending").count() == 0
+    assert AuditEntry.objects.count() == 0
+
+
+def test_bulk_replay_confirms_and_needs_more_for_types_not_replay_safe(data):
+    client = staff("replay_delivery")
+    EventType.objects.create(name="invoice.paid", replay_safe=True)
+    ids = [str(d) for d in Delivery.objects.values_list("id", flat=True)]
+    form = {"action": "replay_selected", "_selected_action": ids}
+
+    confirm = client.post(CHANGELIST, form)
+    assert confirm.status_code == 200
+    assert b"Replay 3 deliveries?" in confirm.content
+    assert b"user.created" in confirm.content and b"unsafe_confirmed" in confirm.content
+    assert Delivery.objects.filter(state="pending").count() == 0
+
+    client.post(CHANGELIST, {**form, "confirm": "yes"})
+    assert Delivery.objects.filter(state="pending").count() == 0  # extra confirmation missing
+
+    client.post(CHANGELIST, {**form, "confirm": "yes", "unsafe_confirmed": "yes"})
+    assert Delivery.objects.filter(state="pending").count() == 3
+    entry = AuditEntry.objects.get(action="delivery.replay")
+    assert entry.count == 3 and entry.actor.username.startswith("u")
+
+
+def test_replay_from_the_delivery_page_is_audited(data):
+    client = staff("replay_delivery")
+    delivery = Delivery.objects.first()
+    r = client.post(reverse("admin:deliveries_delivery_replay", args=[delivery.id]))
+    assert r.status_code == 302
+    delivery.refresh_from_db()
+    assert delivery.state == "pending"
+    assert AuditEntry.objects.filter(action="delivery.replay", count=1).exists()
+
+
+def test_dead_letters_are_grouped_by_endpoint_and_reason(data):
+    page = staff().get(reverse("admin:deliveries_delivery_dead_letters"))
+    assert page.status_code == 200
+    assert b"https://example.com/hook" in page.content
+    assert b">3</a>" in page.content
+
+
+def test_endpoint_health_and_actions(data):
+    _, endpoint, _ = data
+    client = staff("change_endpoint")
+    page = client.get("/admin/deliveries/endpoint/")
+    assert page.status_code == 200
+    client.post(
+        "/admin/deliveries/endpoint/", {"action": "disable", "_selected_action": [str(endpoint.id)]}
+    )
+    endpoint.refresh_from_db()
+    assert not endpoint.enabled and endpoint.disabled_reason == "disabled by staff"
+    assert AuditEntry.objects.filter(action="endpoint.disable").exists()
+
+
+def test_the_paginator_counts_at_most_the_cap(data, monkeypatch):
+    monkeypatch.setattr(CappedCountPaginator, "CAP", 2)
+    assert CappedCountPaginator(Delivery.objects.order_by("id"), 50).count == 3  # "2+" shows as 3
+    assert (
+        CappedCountPaginator(Delivery.objects.filter(state="pending").order_by("id"), 50).count == 0
+    )
