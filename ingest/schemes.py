@@ -1,0 +1,796 @@
+"""Inbound webhook signature schemes: verify, parse and describe one provider's requests.
+
+Each provider is one small class behind the :class:`Scheme` interface. The receive view
+builds a :class:`Request` from the raw bytes and the (lower-cased) headers, then calls
+
+1. ``verify(request, secrets=..., now=...)`` — raises :class:`VerificationFailed` with a
+   stable ``reason``; nothing is parsed before this passes;
+2. ``parse(request)`` — raises :class:`UnparseableBody` (a ``ValueError``);
+3. ``extract(request, parsed)`` — the :class:`EventMeta` used for dedupe and ordering.
+
+The module is pure: no database, no settings, and verification reads no clock (``now`` is
+passed in), so the same code serves the view, the tests and the benchmarks (each scheme
+can also ``sign`` a request the way its provider would).
+
+Verification rules shared by every scheme:
+
+- the MAC is computed over the raw bytes exactly as received, never re-serialised JSON;
+- every configured secret is tried (rotation) against every offered signature, and every
+  pair is compared with :func:`hmac.compare_digest` (no early exit);
+- timestamped schemes refuse ``|now - ts| > tolerance`` in both directions, checked after
+  the signature, so ``stale_timestamp``/``future_timestamp`` only ever describe authentic
+  requests (a replay or a skewed clock) while forgeries count as ``bad_signature``;
+- ``missing_signature`` means the signature header is absent or blank; anything present
+  but unusable (bad syntax, no entry of the version we verify, a timestamp that is not
+  plain ASCII digits, a signature that does not decode to a digest of the right length
+  or is not canonical base64) is ``malformed_signature``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import re
+import string
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, ClassVar
+from urllib.parse import parse_qs
+
+REASONS = frozenset(
+    {
+        "missing_signature",
+        "malformed_signature",
+        "bad_signature",
+        "missing_timestamp",
+        "stale_timestamp",
+        "future_timestamp",
+        "no_secret",
+    }
+)
+
+# Longer ids are refused as unparseable rather than truncated (a truncated id could merge
+# two distinct events under one dedupe key).
+MAX_EVENT_ID_LENGTH = 255
+
+_JSON = "application/json"
+_FORM = "application/x-www-form-urlencoded"
+_TIMESTAMP = re.compile(r"[0-9]{1,12}")  # ASCII digits only: str.isdigit() accepts "²"
+_HEX = re.compile(r"[0-9a-fA-F]+")
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the receive view hands over."""
+
+    headers: Mapping[str, str]  # names lower-cased
+    body: bytes  # the raw bytes, exactly as received
+
+
+class VerificationFailed(Exception):
+    """The request is not authentic (or not checkable); ``reason`` is one of ``REASONS``."""
+
+    def __init__(self, reason: str) -> None:
+        if reason not in REASONS:
+            raise ValueError(f"unknown verification failure reason {reason!r}")
+        super().__init__(reason)
+        self.reason = reason
+
+
+class UnparseableBody(ValueError):
+    """An authentic body that cannot be parsed or lacks the provider's event id."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class EventMeta:
+    event_id: str  # the provider's id, used for dedupe
+    event_type: str  # "" if unknown
+    occurred_at: datetime | None  # the event's own time (aware UTC) when the provider says
+    entity_id: str  # "" if none; the key of the entity lock that orders handlers
+
+
+# --- shared primitives ---------------------------------------------------------------
+
+
+def _hmac(key: bytes, msg: bytes, algorithm: str) -> bytes:
+    return hmac.new(key, msg, algorithm).digest()
+
+
+def _any_match(candidates: Iterable[bytes], expected: Iterable[bytes]) -> bool:
+    """True when any candidate equals any expected MAC; every pair is compared in constant
+    time and there is no early exit, so timing says nothing about which pair matched."""
+    wanted = list(expected)
+    matched = False
+    for candidate in candidates:
+        for good in wanted:
+            matched |= hmac.compare_digest(candidate, good)
+    return matched
+
+
+def _check_window(ts: int, now: float, tolerance: int) -> None:
+    if now - ts > tolerance:
+        raise VerificationFailed("stale_timestamp")
+    if ts - now > tolerance:
+        raise VerificationFailed("future_timestamp")
+
+
+def _timestamp(value: str | None) -> str:
+    """The timestamp header as sent (it is part of the signed content), checked to be a
+    plain unix time in seconds."""
+    if value is None or not value.strip():
+        raise VerificationFailed("missing_timestamp")
+    value = value.strip()
+    if not _TIMESTAMP.fullmatch(value):
+        raise VerificationFailed("malformed_signature")
+    return value
+
+
+def _signature_header(request: Request, name: str) -> str:
+    value = request.headers.get(name)
+    if value is None or not value.strip():
+        raise VerificationFailed("missing_signature")
+    return value.strip()
+
+
+def _decode_hex(value: str) -> bytes | None:
+    return bytes.fromhex(value) if _HEX.fullmatch(value) and len(value) % 2 == 0 else None
+
+
+def _decode_base64(value: str) -> bytes | None:
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except ValueError:  # binascii.Error, and non-ASCII text
+        return None
+    # b64decode ignores the unused low bits of the last character, so "…OE=" and "…OF="
+    # decode alike; only the canonical spelling is accepted, so a signature has one form.
+    return raw if base64.b64encode(raw).decode() == value else None
+
+
+def _encode(mac: bytes, encoding: str) -> str:
+    return mac.hex() if encoding == "hex" else base64.b64encode(mac).decode()
+
+
+def _text(value: str) -> bytes:
+    try:
+        return value.encode()
+    except UnicodeEncodeError:  # lone surrogates cannot be what the sender signed
+        raise VerificationFailed("malformed_signature") from None
+
+
+def _dig(obj: Any, path: str) -> Any:
+    """``obj["a"]["b"]`` for ``path="a.b"``; None when any step is missing."""
+    for step in path.split("."):
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(step)
+    return obj
+
+
+def _str(value: Any) -> str:
+    """A JSON string or integer as text; anything else (bool, float, object) as ""."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return ""
+
+
+def _from_unix(value: Any) -> datetime | None:
+    if isinstance(value, str) and _TIMESTAMP.fullmatch(value):
+        value = int(value)
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    try:
+        return datetime.fromtimestamp(value, UTC)
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
+def _from_iso(value: Any) -> datetime | None:
+    """An ISO 8601 time as aware UTC (naive times are taken as UTC); None if unparseable.
+    Python 3.11 accepts a trailing ``Z`` and truncates digits past microseconds."""
+    if not isinstance(value, str):
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    if parsed.tzinfo is None:
+        return parsed.replace(tzinfo=UTC)
+    try:
+        return parsed.astimezone(UTC)
+    except OverflowError:
+        return None
+
+
+def _event_id(value: Any) -> str:
+    event_id = _str(value)
+    if not event_id:
+        raise UnparseableBody("missing_event_id")
+    if len(event_id) > MAX_EVENT_ID_LENGTH:
+        raise UnparseableBody("event_id_too_long")
+    return event_id
+
+
+def _parse_json(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):  # RecursionError: "[[[[…" nested past the limit
+        raise UnparseableBody("invalid_json") from None
+
+
+def _parse_form(body: bytes) -> dict[str, str]:
+    """A form body as its first value per field."""
+    try:
+        text = body.decode()
+    except UnicodeDecodeError:
+        raise UnparseableBody("invalid_form") from None
+    return {k: v[0] for k, v in parse_qs(text, keep_blank_values=True).items()}
+
+
+def _is_form(request: Request) -> bool:
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type in (_JSON, _FORM):
+        return content_type == _FORM
+    return not request.body.lstrip().startswith(b"{")
+
+
+def _now(timestamp: int | None) -> int:
+    return int(time.time()) if timestamp is None else timestamp
+
+
+# --- the interface ---------------------------------------------------------------------
+
+
+class Scheme:
+    """One provider's signature scheme. Instances are immutable and safe to share.
+
+    Subclasses say where the signatures and the signed content come from
+    (``_offered``); verification itself is shared.
+    """
+
+    name: ClassVar[str]
+    content_types: ClassVar[tuple[str, ...]] = (_JSON,)
+    algorithm: str = "sha256"
+
+    def __init__(self, **options: Any) -> None:
+        if options:
+            raise ValueError(f"the {self.name!r} scheme takes no options, got {sorted(options)}")
+
+    def signing_key(self, secret: str) -> bytes:
+        """The HMAC key for a configured secret; ValueError if it cannot be one (forms
+        that store secrets can call this to refuse them early)."""
+        if not secret:
+            raise ValueError("empty secret")
+        return secret.encode()
+
+    def verify(
+        self, request: Request, *, secrets: Sequence[str], now: float, tolerance: int = 300
+    ) -> None:
+        """Raise VerificationFailed unless some offered signature matches some secret and,
+        for timestamped schemes, the timestamp is within ``tolerance`` seconds of ``now``.
+
+        Secrets that cannot be keys (empty, or not base64 where the scheme needs it) are
+        skipped; with none left the reason is ``no_secret``.
+        """
+        if isinstance(secrets, str | bytes):
+            # A bare string is a Sequence of one-character secrets: refuse, loudly.
+            raise TypeError("secrets must be a sequence of secrets, not one string")
+        keys = []
+        for secret in secrets:
+            try:
+                keys.append(self.signing_key(secret))
+            except ValueError:
+                continue
+        if not keys:
+            raise VerificationFailed("no_secret")
+        candidates, timestamp, content = self._offered(request)
+        if not _any_match(candidates, (_hmac(k, content, self.algorithm) for k in keys)):
+            raise VerificationFailed("bad_signature")
+        if timestamp is not None:
+            _check_window(int(timestamp), now, tolerance)
+
+    def _offered(self, request: Request) -> tuple[list[bytes], str | None, bytes]:
+        """(offered MACs, timestamp as sent or None, signed content); raises
+        VerificationFailed for missing or malformed headers."""
+        raise NotImplementedError
+
+    def parse(self, request: Request) -> Any:
+        """The body as JSON; call only after ``verify``."""
+        return _parse_json(request.body)
+
+    def extract(self, request: Request, parsed: Any) -> EventMeta:
+        raise NotImplementedError
+
+    def sign(
+        self,
+        *,
+        body: bytes,
+        secret: str,
+        timestamp: int | None = None,
+        event_id: str = "",
+        event_type: str = "",
+    ) -> dict[str, str]:
+        """The (lower-cased) headers the provider would send with ``body``.
+
+        ``timestamp`` defaults to the current time for timestamped schemes.
+        ``event_id``/``event_type`` fill the headers that carry them, for the schemes
+        that carry them in headers (a random id when needed and not given); schemes that
+        read them from the body ignore them.
+        """
+        raise NotImplementedError
+
+    def _mac(self, secret: str, content: bytes) -> bytes:
+        return _hmac(self.signing_key(secret), content, self.algorithm)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+class StandardWebhooks(Scheme):
+    """Standard Webhooks (https://www.standardwebhooks.com/), which Svix also sends as
+    ``svix-*`` headers. Signed content ``{id}.{timestamp}.{body}``, HMAC-SHA256 keyed
+    with the base64-decoded secret after ``whsec_``, base64 ``v1,<sig>`` entries separated
+    by spaces (other versions ignored).
+
+    Meta: ``event_id`` = the id header (a missing one is ``malformed_signature`` already,
+    as it is part of the signed content); ``event_type`` = body ``type``; ``occurred_at`` =
+    body ``timestamp`` (ISO 8601) else the timestamp header; ``entity_id`` = body
+    ``data.id`` when present (the spec's envelope puts the object under ``data``).
+    """
+
+    name = "standard"
+
+    def signing_key(self, secret: str) -> bytes:
+        encoded = secret.removeprefix("whsec_")
+        # Padding is optional in stored secrets (the reference library appends "==").
+        key = _decode_base64_lenient(encoded)
+        if not key:
+            raise ValueError("a Standard Webhooks secret is base64 after 'whsec_'")
+        return key
+
+    @staticmethod
+    def _prefix(headers: Mapping[str, str]) -> str:
+        return (
+            "svix"
+            if "webhook-signature" not in headers and "svix-signature" in headers
+            else "webhook"
+        )
+
+    def _offered(self, request: Request) -> tuple[list[bytes], str | None, bytes]:
+        p = self._prefix(request.headers)
+        header = _signature_header(request, f"{p}-signature")
+        timestamp = _timestamp(request.headers.get(f"{p}-timestamp"))
+        msg_id = request.headers.get(f"{p}-id", "").strip()
+        if not msg_id:
+            raise VerificationFailed("malformed_signature")
+        candidates = []
+        for entry in header.split():
+            version, _, signature = entry.partition(",")
+            if version == "v1" and (mac := _decode_base64(signature)) and len(mac) == 32:
+                candidates.append(mac)
+        if not candidates:
+            raise VerificationFailed("malformed_signature")
+        return candidates, timestamp, _text(f"{msg_id}.{timestamp}.") + request.body
+
+    def extract(self, request: Request, parsed: Any) -> EventMeta:
+        p = self._prefix(request.headers)
+        body = parsed if isinstance(parsed, dict) else {}
+        return EventMeta(
+            event_id=_event_id(request.headers.get(f"{p}-id", "").strip()),
+            event_type=_str(body.get("type")),
+            occurred_at=_from_iso(body.get("timestamp"))
+            or _from_unix(request.headers.get(f"{p}-timestamp", "").strip()),
+            entity_id=_str(_dig(body, "data.id")),
+        )
+
+    def sign(
+        self,
+        *,
+        body: bytes,
+        secret: str,
+        timestamp: int | None = None,
+        event_id: str = "",
+        event_type: str = "",
+    ) -> dict[str, str]:
+        ts = _now(timestamp)
+        msg_id = event_id or f"msg_{uuid.uuid4().hex}"
+        mac = self._mac(secret, f"{msg_id}.{ts}.".encode() + body)
+        return {
+            "content-type": _JSON,
+            "webhook-id": msg_id,
+            "webhook-timestamp": str(ts),
+            "webhook-signature": "v1," + _encode(mac, "base64"),
+        }
+
+
+def _decode_base64_lenient(value: str) -> bytes | None:
+    """Base64 with optional padding, for stored secrets (not for signatures)."""
+    try:
+        return base64.b64decode(value + "=" * (-len(value) % 4), validate=True)
+    except ValueError:
+        return None
+
+
+class Stripe(Scheme):
+    """Stripe: ``Stripe-Signature: t=<unix>,v1=<hex>[,v1=<hex>…]`` over ``{t}.{body}``,
+    keyed with the whole ``whsec_…`` string as UTF-8 (not decoded); ``v0`` and unknown
+    entries are ignored. stripe-python only refuses old timestamps; we refuse both ways.
+
+    Meta: ``event_id`` = body ``id`` (``evt_…``); ``event_type`` = body ``type``;
+    ``occurred_at`` = body ``created``; ``entity_id`` = body ``data.object.id``.
+    """
+
+    name = "stripe"
+
+    def _offered(self, request: Request) -> tuple[list[bytes], str | None, bytes]:
+        header = _signature_header(request, "stripe-signature")
+        timestamps, candidates = [], []
+        for item in header.split(","):
+            key, _, value = item.strip().partition("=")
+            if key == "t":
+                timestamps.append(value)
+            elif key == "v1" and (mac := _decode_hex(value)) and len(mac) == 32:
+                candidates.append(mac)
+        if not timestamps:
+            raise VerificationFailed("missing_timestamp")
+        if len(timestamps) > 1:
+            raise VerificationFailed("malformed_signature")
+        timestamp = _timestamp(timestamps[0])
+        if not candidates:
+            raise VerificationFailed("malformed_signature")
+        return candidates, timestamp, f"{timestamp}.".encode() + request.body
+
+    def extract(self, request: Request, parsed: Any) -> EventMeta:
+        body = parsed if isinstance(parsed, dict) else {}
+        return EventMeta(
+            event_id=_event_id(body.get("id")),
+            event_type=_str(body.get("type")),
+            occurred_at=_from_unix(body.get("created")),
+            entity_id=_str(_dig(body, "data.object.id")),
+        )
+
+    def sign(
+        self,
+        *,
+        body: bytes,
+        secret: str,
+        timestamp: int | None = None,
+        event_id: str = "",
+        event_type: str = "",
+    ) -> dict[str, str]:
+        ts = _now(timestamp)
+        mac = self._mac(secret, f"{ts}.".encode() + body)
+        return {"content-type": _JSON, "stripe-signature": f"t={ts},v1={mac.hex()}"}
+
+
+class GitHub(Scheme):
+    """GitHub: ``X-Hub-Signature-256: sha256=<hex>`` over the raw body; no timestamp, so
+    no replay window (dedupe on the delivery id is the only replay defence; a redelivery
+    keeps its id).
+
+    Meta: ``event_id`` = ``X-GitHub-Delivery``; ``event_type`` = ``X-GitHub-Event``, plus
+    ``.<action>`` when the body has one (``issues.opened``); ``occurred_at`` = None (the
+    payloads' times differ per event type); ``entity_id`` = ``repository.full_name``: a
+    coarse lock, but events about one repository then apply in order.
+    """
+
+    name = "github"
+
+    def _offered(self, request: Request) -> tuple[list[bytes], str | None, bytes]:
+        header = _signature_header(request, "x-hub-signature-256")
+        mac = _decode_hex(header.removeprefix("sha256=")) if header.startswith("sha256=") else None
+        if mac is None or len(mac) != 32:
+            raise VerificationFailed("malformed_signature")
+        return [mac], None, request.body
+
+    def extract(self, request: Request, parsed: Any) -> EventMeta:
+        body = parsed if isinstance(parsed, dict) else {}
+        event = request.headers.get("x-github-event", "").strip()
+        action = body.get("action")
+        if event and isinstance(action, str) and action:
+            event = f"{event}.{action}"
+        return EventMeta(
+            event_id=_event_id(request.headers.get("x-github-delivery", "").strip()),
+            event_type=event,
+            occurred_at=None,
+            entity_id=_str(_dig(body, "repository.full_name")),
+        )
+
+    def sign(
+        self,
+        *,
+        body: bytes,
+        secret: str,
+        timestamp: int | None = None,
+        event_id: str = "",
+        event_type: str = "",
+    ) -> dict[str, str]:
+        return {
+            "content-type": _JSON,
+            "x-github-delivery": event_id or str(uuid.uuid4()),
+            "x-github-event": event_type or "ping",
+            "x-hub-signature-256": "sha256=" + self._mac(secret, body).hex(),
+        }
+
+
+class Shopify(Scheme):
+    """Shopify: ``X-Shopify-Hmac-SHA256: <base64>`` over the raw body; no timestamp.
+    Shopify can take up to an hour to switch to a rotated secret, so keep both.
+
+    Meta: ``event_id`` = ``X-Shopify-Webhook-Id``; ``event_type`` = ``X-Shopify-Topic``;
+    ``occurred_at`` = ``X-Shopify-Triggered-At``; ``entity_id`` = body ``id`` (the order,
+    product… the topic is about).
+    """
+
+    name = "shopify"
+
+    def _offered(self, request: Request) -> tuple[list[bytes], str | None, bytes]:
+        mac = _decode_base64(_signature_header(request, "x-shopify-hmac-sha256"))
+        if mac is None or len(mac) != 32:
+            raise VerificationFailed("malformed_signature")
+        return [mac], None, request.body
+
+    def extract(self, request: Request, parsed: Any) -> EventMeta:
+        body = parsed if isinstance(parsed, dict) else {}
+        return EventMeta(
+            event_id=_event_id(request.headers.get("x-shopify-webhook-id", "").strip()),
+            event_type=request.headers.get("x-shopify-topic", "").strip(),
+            occurred_at=_from_iso(request.headers.get("x-shopify-triggered-at", "").strip()),
+            entity_id=_str(body.get("id")),
+        )
+
+    def sign(
+        self,
+        *,
+        body: bytes,
+        secret: str,
+        timestamp: int | None = None,
+        event_id: str = "",
+        event_type: str = "",
+    ) -> dict[str, str]:
+        return {
+            "content-type": _JSON,
+            "x-shopify-webhook-id": event_id or str(uuid.uuid4()),
+            "x-shopify-topic": event_type or "orders/create",
+            "x-shopify-hmac-sha256": _encode(self._mac(secret, body), "base64"),
+        }
+
+
+class Slack(Scheme):
+    """Slack: ``X-Slack-Signature: v0=<hex>`` over ``v0:{ts}:{body}`` with
+    ``X-Slack-Request-Timestamp``. Bodies are JSON (Events API) or form-encoded (slash
+    commands; interactivity sends one ``payload`` field holding JSON).
+
+    Meta, JSON: ``event_id`` = ``event_id``; ``event_type`` = ``event.type`` else ``type``;
+    ``occurred_at`` = ``event_time``. Form: ``event_id`` = ``trigger_id`` (of the
+    ``payload`` for interactivity); ``event_type`` = the ``command`` field's value
+    (``/deploy``), or the payload's ``type`` (``block_actions``); ``occurred_at`` = None.
+    ``entity_id`` = "" (Slack events do not update one entity in place).
+    A ``url_verification`` body has no ``event_id``: the view answers its challenge itself.
+    """
+
+    name = "slack"
+    content_types = (_FORM, _JSON)
+
+    def _offered(self, request: Request) -> tuple[list[bytes], str | None, bytes]:
+        header = _signature_header(request, "x-slack-signature")
+        timestamp = _timestamp(request.headers.get("x-slack-request-timestamp"))
+        mac = _decode_hex(header.removeprefix("v0=")) if header.startswith("v0=") else None
+        if mac is None or len(mac) != 32:
+            raise VerificationFailed("malformed_signature")
+        return [mac], timestamp, f"v0:{timestamp}:".encode() + request.body
+
+    def parse(self, request: Request) -> Any:
+        if not _is_form(request):
+            return _parse_json(request.body)
+        form = _parse_form(request.body)
+        if "payload" in form:
+            return {**form, "payload": _parse_json(form["payload"].encode())}
+        return form
+
+    def extract(self, request: Request, parsed: Any) -> EventMeta:
+        body = parsed if isinstance(parsed, dict) else {}
+        if _is_form(request):
+            payload = body.get("payload")
+            if isinstance(payload, dict):
+                event_id, event_type = payload.get("trigger_id"), _str(payload.get("type"))
+            else:
+                event_id, event_type = body.get("trigger_id"), _str(body.get("command"))
+            return EventMeta(_event_id(event_id), event_type, None, "")
+        return EventMeta(
+            event_id=_event_id(body.get("event_id")),
+            event_type=_str(_dig(body, "event.type")) or _str(body.get("type")),
+            occurred_at=_from_unix(body.get("event_time")),
+            entity_id="",
+        )
+
+    def sign(
+        self,
+        *,
+        body: bytes,
+        secret: str,
+        timestamp: int | None = None,
+        event_id: str = "",
+        event_type: str = "",
+    ) -> dict[str, str]:
+        ts = _now(timestamp)
+        mac = self._mac(secret, f"v0:{ts}:".encode() + body)
+        return {
+            "content-type": _JSON if body.lstrip().startswith(b"{") else _FORM,
+            "x-slack-request-timestamp": str(ts),
+            "x-slack-signature": f"v0={mac.hex()}",
+        }
+
+
+class GenericHmac(Scheme):
+    """A configurable HMAC scheme for providers without their own class.
+
+    Options (all strings; header names are matched lower-cased):
+
+    - ``header`` (``x-signature``), ``prefix`` (``""``, e.g. ``sha256=``),
+      ``algorithm`` (``sha256``, ``sha1``, ``sha512``), ``encoding`` (``hex``, ``base64``);
+    - ``timestamp_header``: when set, the request is timestamped (replay window applies)
+      and the signed content is ``{timestamp}.{body}`` unless ``signed_template`` says
+      otherwise, e.g. ``{timestamp}:{body}``; the template holds ``{body}`` once and may
+      use ``{timestamp}`` (needs ``timestamp_header``) and ``{id}`` (needs ``id_header``);
+    - ``id_header``, else ``id_field`` (dotted JSON path, ``id``): the event id;
+    - ``type_header``, else ``type_field`` (``type``): the event type;
+    - ``entity_field`` (dotted JSON path, none): the entity id.
+
+    ``occurred_at`` is None: a generic sender's body time has no agreed field.
+    """
+
+    name = "hmac"
+    OPTIONS: ClassVar[frozenset[str]] = frozenset(
+        {
+            "header",
+            "algorithm",
+            "encoding",
+            "prefix",
+            "timestamp_header",
+            "signed_template",
+            "id_header",
+            "id_field",
+            "type_header",
+            "type_field",
+            "entity_field",
+        }
+    )
+    ALGORITHMS: ClassVar[tuple[str, ...]] = ("sha256", "sha1", "sha512")
+    ENCODINGS: ClassVar[tuple[str, ...]] = ("hex", "base64")
+
+    def __init__(self, **options: Any) -> None:
+        unknown = set(options) - self.OPTIONS
+        if unknown:
+            raise ValueError(f"unknown hmac scheme options {sorted(unknown)}")
+        for key, value in options.items():
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"hmac scheme option {key!r} must be a string")
+        o = {k: v for k, v in options.items() if v is not None}
+        self.header = o.get("header", "x-signature").lower()
+        self.algorithm = o.get("algorithm", "sha256").lower()
+        self.encoding = o.get("encoding", "hex").lower()
+        self.prefix = o.get("prefix", "")
+        self.timestamp_header = o.get("timestamp_header", "").lower()
+        self.id_header = o.get("id_header", "").lower()
+        self.id_field = o.get("id_field", "id")
+        self.type_header = o.get("type_header", "").lower()
+        self.type_field = o.get("type_field", "type")
+        self.entity_field = o.get("entity_field", "")
+        default_template = "{timestamp}.{body}" if self.timestamp_header else "{body}"
+        self.signed_template = o.get("signed_template", default_template)
+        if not self.header:
+            raise ValueError("the hmac scheme needs a signature header")
+        if self.algorithm not in self.ALGORITHMS:
+            raise ValueError(f"unknown algorithm {self.algorithm!r}; use one of {self.ALGORITHMS}")
+        if self.encoding not in self.ENCODINGS:
+            raise ValueError(f"unknown encoding {self.encoding!r}; use one of {self.ENCODINGS}")
+        self._template = self._split_template(self.signed_template)
+        self._digest_size = hashlib.new(self.algorithm).digest_size
+
+    def _split_template(self, template: str) -> tuple[str, str]:
+        try:
+            parts = [p for p in string.Formatter().parse(template) if p[1] is not None]
+        except ValueError as exc:
+            raise ValueError(f"bad signed_template {template!r}: {exc}") from None
+        fields = [field for _, field, spec, conversion in parts if not spec and not conversion]
+        allowed = {"body", "timestamp"} if self.timestamp_header else {"body"}
+        if self.id_header:
+            allowed.add("id")
+        if (
+            len(fields) != len(parts)
+            or fields.count("body") != 1
+            or template.count("{body}") != 1
+            or not set(fields) <= allowed
+        ):
+            raise ValueError(
+                f"signed_template {template!r} must hold {{body}} once and only "
+                f"{sorted(allowed - {'body'})} besides"
+            )
+        before, after = template.split("{body}")
+        return before, after
+
+    def _content(self, body: bytes, timestamp: str, msg_id: str) -> bytes:
+        def fill(part: str) -> bytes:
+            # str.replace, not format(): values must not be read as format specs.
+            filled = part.replace("{timestamp}", timestamp).replace("{id}", msg_id)
+            return _text(filled.replace("{{", "{").replace("}}", "}"))
+
+        before, after = self._template
+        return fill(before) + body + fill(after)
+
+    def _offered(self, request: Request) -> tuple[list[bytes], str | None, bytes]:
+        header = _signature_header(request, self.header)
+        timestamp = None
+        if self.timestamp_header:
+            timestamp = _timestamp(request.headers.get(self.timestamp_header))
+        msg_id = ""
+        if self.id_header:
+            msg_id = request.headers.get(self.id_header, "").strip()
+            if not msg_id and "{id}" in self.signed_template:
+                raise VerificationFailed("malformed_signature")
+        if not header.startswith(self.prefix):
+            raise VerificationFailed("malformed_signature")
+        value = header[len(self.prefix) :].strip()
+        mac = _decode_hex(value) if self.encoding == "hex" else _decode_base64(value)
+        if mac is None or len(mac) != self._digest_size:
+            raise VerificationFailed("malformed_signature")
+        return [mac], timestamp, self._content(request.body, timestamp or "", msg_id)
+
+    def extract(self, request: Request, parsed: Any) -> EventMeta:
+        if self.id_header:
+            event_id = request.headers.get(self.id_header, "").strip()
+        else:
+            event_id = _dig(parsed, self.id_field)
+        if self.type_header:
+            event_type = request.headers.get(self.type_header, "").strip()
+        else:
+            event_type = _str(_dig(parsed, self.type_field))
+        entity = _str(_dig(parsed, self.entity_field)) if self.entity_field else ""
+        return EventMeta(_event_id(event_id), event_type, None, entity)
+
+    def sign(
+        self,
+        *,
+        body: bytes,
+        secret: str,
+        timestamp: int | None = None,
+        event_id: str = "",
+        event_type: str = "",
+    ) -> dict[str, str]:
+        ts = str(_now(timestamp)) if self.timestamp_header else ""
+        msg_id = event_id or (str(uuid.uuid4()) if self.id_header else "")
+        mac = self._mac(secret, self._content(body, ts, msg_id))
+        headers = {"content-type": _JSON, self.header: self.prefix + _encode(mac, self.encoding)}
+        if self.timestamp_header:
+            headers[self.timestamp_header] = ts
+        if self.id_header:
+            headers[self.id_header] = msg_id
+        if self.type_header and event_type:
+            headers[self.type_header] = event_type
+        return headers
+
+
+SCHEMES: dict[str, type[Scheme]] = {
+    cls.name: cls for cls in (StandardWebhooks, Stripe, GitHub, Shopify, Slack, GenericHmac)
+}
+
+
+def get_scheme(name: str, options: Mapping[str, Any] | None = None) -> Scheme:
+    """The scheme called ``name``, configured with ``options`` (only ``hmac`` takes any);
+    ValueError for an unknown name or bad options."""
+    try:
+        cls = SCHEMES[name]
+    except KeyError:
+        raise ValueError(f"unknown signature scheme {name!r}; known: {sorted(SCHEMES)}") from None
+    return cls(**dict(options or {}))
