@@ -30,19 +30,29 @@ from .models import QueueMessage
 
 @dataclass(frozen=True)
 class Message:
-    """A dispatch of one delivery, as carried by the broker."""
+    """A dispatch of one job (a delivery, unless ``kind`` says otherwise), as carried by
+    the broker. Only ids travel: the job's state lives in the database."""
 
-    delivery_id: uuid.UUID
+    job_id: uuid.UUID
     dispatch: int
     priority: int = 0
+    kind: str = "delivery"
 
     def encode(self) -> str:
-        return json.dumps({"d": self.delivery_id.hex, "n": self.dispatch, "p": self.priority})
+        data = {"d": self.job_id.hex, "n": self.dispatch, "p": self.priority}
+        if self.kind != "delivery":
+            data["k"] = self.kind
+        return json.dumps(data)
 
     @classmethod
     def decode(cls, payload: str | bytes) -> "Message":
         data = json.loads(payload)
-        return cls(uuid.UUID(data["d"]), int(data["n"]), int(data.get("p", 0)))
+        return cls(
+            uuid.UUID(data["d"]),
+            int(data["n"]),
+            int(data.get("p", 0)),
+            data.get("k", "delivery"),
+        )
 
 
 class DatabaseBroker(Broker):

@@ -31,7 +31,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from . import broker as transport
-from . import state
+from . import jobs, state
 from .faults import crash_point
 from .models import Delivery, LoopRun, Outbox
 from .policy import RetryPolicy
@@ -69,10 +69,16 @@ def scheduler_tick(*, page_size: int | None = None) -> Tick:
     tick.counts["enqueued"] = admitted.admitted
     tick.counts["held_back"] = admitted.held_back
     tick.busy = admitted.admitted >= page_size or tick.counts["lease_expired"] >= page_size
-    if not tick.busy and admitted.admitted == 0:
+    others_busy = False
+    for kind in jobs.KINDS.values():
+        counts, more = kind.schedule(now, page_size)
+        tick.counts.update({f"{kind.name}.{k}": v for k, v in counts.items()})
+        others_busy |= more
+    if not tick.busy and admitted.admitted == 0 and not others_busy:
         tick.idle = not Delivery.objects.filter(
             Q(state__in=state.IN_FLIGHT) | Q(state=state.PENDING, next_attempt_at__lte=now)
         ).exists()
+    tick.busy |= others_busy
     return tick
 
 
@@ -98,7 +104,7 @@ def relay_tick(*, page_size: int | None = None, b=None) -> Tick:
             .filter(Q(claimed_until__isnull=True) | Q(claimed_until__lt=now))
             .select_for_update(skip_locked=True)
             .order_by("id")
-            .values_list("id", "delivery_id", "dispatch", "priority")[:page_size]
+            .values_list("id", "ref_id", "dispatch", "priority", "kind")[:page_size]
         )
         if rows:
             Outbox.objects.filter(id__in=[r[0] for r in rows]).update(
@@ -108,7 +114,7 @@ def relay_tick(*, page_size: int | None = None, b=None) -> Tick:
         tick.idle = not Outbox.objects.filter(published_at__isnull=True).exists()
         return tick
     crash_point("relay.before_publish")
-    transport.publish(b, [transport.Message(r[1], r[2], r[3]) for r in rows])
+    transport.publish(b, [transport.Message(r[1], r[2], r[3], r[4]) for r in rows])
     crash_point("relay.after_publish")
     Outbox.objects.filter(id__in=[r[0] for r in rows], published_at__isnull=True).update(
         published_at=timezone.now()

@@ -281,14 +281,18 @@ class Attempt(models.Model):
 
 
 class Outbox(models.Model):
-    """One dispatch of a delivery waiting to be handed to the queue transport.
+    """One dispatch of a job waiting to be handed to the queue transport: a delivery, or
+    another kind of job registered with ``deliveries.jobs`` (an inbound event's
+    processing).
 
-    The scheduler writes it in the same transaction that marks the delivery enqueued; the
-    relay publishes it to the broker and only then sets ``published_at``."""
+    It is written in the same transaction that marks the job enqueued; the relay
+    publishes it to the broker and only then sets ``published_at``."""
 
     id = models.BigAutoField(primary_key=True)
-    message_key = models.CharField(max_length=64, unique=True)
-    delivery = models.ForeignKey(Delivery, on_delete=models.CASCADE, related_name="+")
+    message_key = models.CharField(max_length=80, unique=True)
+    kind = models.CharField(max_length=20, default="delivery")
+    # The job's id: a Delivery's for kind "delivery".
+    ref_id = models.UUIDField()
     dispatch = models.PositiveIntegerField()
     priority = models.SmallIntegerField(default=0)
     created_at = models.DateTimeField()

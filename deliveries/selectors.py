@@ -72,7 +72,7 @@ def delivery_explain(delivery: Delivery, *, now: datetime | None = None) -> Expl
             details,
         )
     if state == DeliveryState.ENQUEUED:
-        outbox = Outbox.objects.filter(delivery=d, dispatch=d.dispatch_count).first()
+        outbox = Outbox.objects.filter(ref_id=d.id, dispatch=d.dispatch_count).first()
         stale_at = d.enqueued_at + timedelta(seconds=settings.SCHEDULER_STALE_ENQUEUED_SECONDS)
         if outbox and outbox.published_at is None:
             alive = _loop_alive("relay", now)

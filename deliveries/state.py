@@ -50,10 +50,14 @@ TERMINAL = (SUCCEEDED, DEAD)
 _ADMISSION_LOCK_ID = 0x77656268  # "webh"
 
 
-def message_key(delivery_id: uuid.UUID, dispatch: int) -> str:
-    """Unique per delivery *and* dispatch: a retry gets a new outbox row and message while
+DELIVERY_KIND = "delivery"
+
+
+def message_key(job_id: uuid.UUID, dispatch: int, kind: str = DELIVERY_KIND) -> str:
+    """Unique per job *and* dispatch: a retry gets a new outbox row and message while
     the delivery keeps its identity."""
-    return f"{delivery_id.hex}:{dispatch}"
+    prefix = "" if kind == DELIVERY_KIND else f"{kind}:"
+    return f"{prefix}{job_id.hex}:{dispatch}"
 
 
 # --- Scheduler: admission (pending → enqueued) -----------------------------------------
@@ -185,7 +189,8 @@ def admit_due(*, now: datetime, page_size: int, limits: Limits) -> AdmissionResu
             [
                 Outbox(
                     message_key=message_key(delivery_id, dispatches[delivery_id]),
-                    delivery_id=delivery_id,
+                    kind=DELIVERY_KIND,
+                    ref_id=delivery_id,
                     dispatch=dispatches[delivery_id],
                     priority=priority,
                     created_at=now,

@@ -33,7 +33,7 @@ from django.db import InterfaceError, OperationalError, close_old_connections, c
 from django.utils import timezone
 
 from . import broker as transport
-from . import state
+from . import jobs, state
 from .egress import EgressError, EgressSession
 from .faults import crash_point
 from .models import Endpoint, endpoint_timeout
@@ -80,7 +80,7 @@ def _claim(messages: list[tuple[object, str]], lease_seconds: float) -> Claimed:
     wanted = []
     for _, payload in messages:
         m = transport.Message.decode(payload)
-        wanted.append((m.delivery_id, m.dispatch))
+        wanted.append((m.job_id, m.dispatch))
     now = timezone.now()
     leased, skipped = state.lease(wanted, now=now, lease_seconds=lease_seconds)
     endpoint_ids = {item.endpoint_id for item in leased}
@@ -97,6 +97,11 @@ def _claim(messages: list[tuple[object, str]], lease_seconds: float) -> Claimed:
             secrets=tuple(secrets.get(e.id, ())),
         )
     return Claimed(messages=messages, leased=leased, targets=targets, skipped=skipped)
+
+
+def _run_job(job, messages) -> Counter:
+    close_old_connections()
+    return job.process(messages)
 
 
 def _record(results: list[state.AttemptResult], policy: RetryPolicy) -> state.RecordSummary:
@@ -146,9 +151,36 @@ class Worker:
 
     async def process_batch(self) -> int:
         """One unit of work; returns how many broker messages it handled."""
-        messages = await self._in_db(transport.receive, self.broker, self.batch_size)
-        if not messages:
+        received = await self._in_db(transport.receive, self.broker, self.batch_size)
+        if not received:
             return 0
+        messages, others = [], {}
+        for task_id, payload in received:
+            m = transport.Message.decode(payload)
+            if m.kind == "delivery":
+                messages.append((task_id, payload))
+            else:
+                others.setdefault(m.kind, []).append((task_id, m))
+        for kind, items in others.items():
+            await self._process_other(kind, items)
+        if messages:
+            await self._deliver(messages)
+        return len(received)
+
+    async def _process_other(self, kind: str, items: list) -> None:
+        """Jobs registered by other apps (deliveries.jobs); unknown kinds are left
+        unacknowledged so that a worker that knows them gets them later."""
+        job = jobs.KINDS.get(kind)
+        if job is None:
+            logger.error("unknown job kind", extra={"action": "workers.unknown_kind", "kind": kind})
+            return
+        counts = await self._in_db_retrying(_run_job, job, [m for _, m in items])
+        await self._in_db_retrying(
+            transport.acknowledge, self.broker, [task_id for task_id, _ in items]
+        )
+        self.counts.update({f"{kind}.{k}": v for k, v in counts.items()})
+
+    async def _deliver(self, messages: list[tuple[object, str]]) -> None:
         claimed = await self._in_db(_claim, messages, self.lease_seconds)
         crash_point("worker.after_lease")
         results = await asyncio.gather(
@@ -172,7 +204,6 @@ class Worker:
                 "endpoint disabled",
                 extra={"action": "endpoint.disabled", "endpoint_id": str(endpoint_id)},
             )
-        return len(messages)
 
     async def _send(self, item: state.Leased, target: Target) -> state.AttemptResult:
         msg_id = str(item.id)

@@ -65,7 +65,7 @@ def test_relay_killed_after_the_outbox_commit_before_publication(published, rece
     scheduler_tick()
     crash("run_relay", "--once", point="relay.before_publish")
 
-    outbox = Outbox.objects.get(delivery=published)
+    outbox = Outbox.objects.get(ref_id=published.id)
     assert outbox.published_at is None and outbox.claimed_until is not None
     assert QueueMessage.objects.count() == 0
     # Another relay cannot take the claimed rows until the claim runs out.
@@ -81,7 +81,7 @@ def test_relay_killed_after_publication_before_it_is_recorded(published, receive
     crash("run_relay", "--once", point="relay.after_publish")
 
     assert QueueMessage.objects.count() == 1
-    assert Outbox.objects.get(delivery=published).published_at is None
+    assert Outbox.objects.get(ref_id=published.id).published_at is None
     time_passes()
     drain()
 

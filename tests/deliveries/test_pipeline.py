@@ -77,7 +77,7 @@ def test_a_delivery_that_fails_once_then_succeeds_keeps_its_identity(tenant, rec
     assert len(copies) == 2
     assert {c.webhook_id for c in copies} == {str(delivery.id)}
     # Each dispatch has its own outbox row; the delivery kept one identity.
-    assert Outbox.objects.filter(delivery=delivery).count() == 2
+    assert Outbox.objects.filter(ref_id=delivery.id).count() == 2
     outcomes = list(
         Attempt.objects.filter(delivery=delivery)
         .order_by("number")
