@@ -179,6 +179,10 @@ WORKER_IDLE_SLEEP = env.float("WORKER_IDLE_SLEEP", default=0.05)
 # deliveries/faults.py at which the process kills itself. Empty in production.
 FAULT_INJECT_AT = env.str("FAULT_INJECT_AT", default="")
 
+# --- Inbound ------------------------------------------------------------------------
+# Modules that register inbound handlers with @ingest.handlers.handler (imported at start).
+INGEST_HANDLER_MODULES = env.list("INGEST_HANDLER_MODULES", default=[])
+
 # --- Queue transport (django-q2's broker interface) -----------------------------------
 QUEUE_VISIBILITY_TIMEOUT = env.int("QUEUE_VISIBILITY_TIMEOUT", default=90)
 REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")

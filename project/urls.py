@@ -1,6 +1,8 @@
 from django.contrib import admin
 from django.urls import include, path
 
+from ingest import views as ingest_views
+
 from . import health
 
 urlpatterns = [
@@ -8,4 +10,5 @@ urlpatterns = [
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
     path("api/", include("deliveries.api_urls")),
+    path("ingest/<slug:slug>/", ingest_views.receive, name="ingest-receive"),
 ]

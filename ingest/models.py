@@ -1,0 +1,162 @@
+"""Inbound webhooks: sources, their secrets, the events received, and the evidence of
+verification failures and handler runs."""
+
+import uuid
+
+from django.db import models
+from django.db.models import Q
+
+from .schemes import SCHEMES
+
+
+class Source(models.Model):
+    """One configured provider endpoint: ``POST /ingest/<slug>/``."""
+
+    slug = models.SlugField(max_length=100, unique=True)
+    scheme = models.CharField(max_length=20, choices=[(s, s) for s in SCHEMES])
+    # Scheme options (the generic HMAC scheme's header, algorithm, encoding…).
+    options = models.JSONField(default=dict, blank=True)
+    enabled = models.BooleanField(default=True)
+    # Seconds a signed timestamp may be off, in both directions.
+    replay_tolerance = models.PositiveIntegerField(default=300)
+    max_body_bytes = models.PositiveIntegerField(default=1024 * 1024)
+    # Empty: the scheme's own (application/json for most).
+    content_types = models.JSONField(default=list, blank=True)
+    # Requests per second accepted from this source (null: no limit); past it, 429.
+    rate_limit = models.FloatField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class SourceSecret(models.Model):
+    """A verification secret. Several can be live at once: providers switch to a rotated
+    secret gradually (Shopify takes up to an hour)."""
+
+    id = models.BigAutoField(primary_key=True)
+    source = models.ForeignKey(Source, on_delete=models.CASCADE, related_name="secrets")
+    secret = models.CharField(max_length=500)
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"secret {self.id} of {self.source_id}"
+
+
+class InboundState(models.TextChoices):
+    PENDING = "pending"  # waiting for its processing job (or a retry's time)
+    ENQUEUED = "enqueued"
+    PROCESSING = "processing"  # leased by a worker
+    PROCESSED = "processed"
+    SKIPPED = "skipped"  # stale (older than what was applied) or no handler
+    DEAD = "dead"  # handler failed on every attempt
+    REJECTED = "rejected"  # authentic but unparseable: stored as evidence, never processed
+
+
+class InboundEvent(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    source = models.ForeignKey(Source, on_delete=models.CASCADE, related_name="events")
+    # The provider's id, the dedupe key. For a rejected body it is a hash of the body.
+    event_id = models.CharField(max_length=255)
+    event_type = models.CharField(max_length=200, blank=True)
+    entity_id = models.CharField(max_length=300, blank=True)
+    occurred_at = models.DateTimeField(null=True, blank=True)
+    body = models.BinaryField()
+    # A filtered copy: signature and auth headers left out.
+    headers = models.JSONField(default=dict)
+    state = models.CharField(
+        max_length=16, choices=InboundState.choices, default=InboundState.PENDING
+    )
+    received_at = models.DateTimeField()
+    duplicates = models.PositiveIntegerField(default=0)
+    last_duplicate_at = models.DateTimeField(null=True, blank=True)
+    next_attempt_at = models.DateTimeField()
+    attempt_count = models.PositiveIntegerField(default=0)
+    dispatch_count = models.PositiveIntegerField(default=0)
+    enqueued_at = models.DateTimeField(null=True, blank=True)
+    lease_until = models.DateTimeField(null=True, blank=True)
+    lease_token = models.UUIDField(null=True, blank=True)
+    last_error = models.TextField(blank=True)
+    processed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["source", "event_id"], name="inbound_source_event"),
+            models.CheckConstraint(
+                condition=Q(state__in=InboundState.values), name="inbound_state_valid"
+            ),
+        ]
+        indexes = [
+            # The scheduler's claim of due work.
+            models.Index(
+                fields=["next_attempt_at"], condition=Q(state="pending"), name="inbound_due"
+            ),
+            # Lease expiry and lost dispatches.
+            models.Index(
+                fields=["state"],
+                condition=Q(state__in=["enqueued", "processing"]),
+                name="inbound_in_flight",
+            ),
+            # Admin: one source's newest first.
+            models.Index(fields=["source", "-received_at"], name="inbound_source_received"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.source_id}:{self.event_id}"
+
+
+class HandlerRun(models.Model):
+    """One run of one handler on one inbound event, append-only."""
+
+    class Outcome(models.TextChoices):
+        OK = "ok"
+        ERROR = "error"
+        STALE = "stale"  # skipped: older than the last event applied to the entity
+        NO_HANDLER = "no_handler"
+
+    id = models.BigAutoField(primary_key=True)
+    event = models.ForeignKey(InboundEvent, on_delete=models.CASCADE, related_name="runs")
+    handler = models.CharField(max_length=300)
+    attempt = models.PositiveIntegerField()
+    started_at = models.DateTimeField()
+    duration_ms = models.FloatField()
+    outcome = models.CharField(max_length=16, choices=Outcome.choices)
+    error = models.TextField(blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.handler} {self.outcome}"
+
+
+class EntityVersion(models.Model):
+    """The event time of the last event applied to an entity: an older event arriving
+    later is stale. Keyed by source and entity id."""
+
+    key = models.CharField(max_length=400, primary_key=True)
+    applied_at = models.DateTimeField()
+    event = models.ForeignKey(InboundEvent, null=True, on_delete=models.SET_NULL, related_name="+")
+
+    def __str__(self) -> str:
+        return self.key
+
+
+class VerificationFailure(models.Model):
+    """Counts of refused requests per source and reason, so a broken secret rotation
+    shows up as a spike. One row per (source, reason); ``sample`` keeps the latest
+    request's non-secret details."""
+
+    id = models.BigAutoField(primary_key=True)
+    source = models.ForeignKey(Source, on_delete=models.CASCADE, related_name="failures")
+    reason = models.CharField(max_length=40)
+    count = models.PositiveBigIntegerField(default=0)
+    first_at = models.DateTimeField()
+    last_at = models.DateTimeField()
+    sample = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["source", "reason"], name="failure_source_reason"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.source_id} {self.reason} x{self.count}"

@@ -1,0 +1,509 @@
+"""Inbound webhooks: receiving (verify, dedupe, store) and processing (lease, run the
+handlers under an entity lock, record), with guarded transitions on ``InboundEvent``:
+
+    enqueued ──lease──▶ processing ──finish──▶ processed | skipped | dead
+       ▲                    │         └──retry──▶ pending ──admit──▶ enqueued
+       └──lost dispatch─────┴──lease expired──▶ pending
+
+The processing job rides the delivery pipeline's outbox, relay, broker and workers as job
+kind ``inbound`` (``deliveries.jobs``); the retry schedule is the deliveries' policy.
+"""
+
+import hashlib
+import logging
+import time
+import traceback
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.core.cache import cache
+from django.db import IntegrityError, transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+from deliveries.broker import Message
+from deliveries.locks import entity_lock_acquire, entity_lock_release
+from deliveries.models import Outbox
+from deliveries.policy import RetryPolicy
+from deliveries.state import message_key
+
+from .handlers import ParsedEvent, handlers_for
+from .models import (
+    EntityVersion,
+    HandlerRun,
+    InboundEvent,
+    InboundState,
+    Source,
+    SourceSecret,
+    VerificationFailure,
+)
+from .schemes import Request, UnparseableBody, VerificationFailed, get_scheme
+
+logger = logging.getLogger("ingest")
+
+KIND = "inbound"
+# Headers never stored with an event: credentials and signatures.
+SECRET_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization", "x-api-key"})
+SIGNATURE_WORDS = ("signature", "hmac", "token", "secret")
+LOCK_TTL = 60.0
+LOCK_BUSY_RETRY = 1.0
+
+
+# --- Sources --------------------------------------------------------------------------
+
+
+def source_for(slug: str) -> Source | None:
+    source = Source.objects.filter(slug=slug, enabled=True).first()
+    if source is not None:
+        scheme = get_scheme(source.scheme, source.options or None)
+        source.accepted_content_types = tuple(source.content_types or scheme.content_types)
+    return source
+
+
+def source_create(
+    *, slug: str, scheme: str, secrets: Sequence[str], options: dict | None = None, **fields
+) -> Source:
+    get_scheme(scheme, options or None)  # refuses an unknown scheme or bad options
+    with transaction.atomic():
+        source = Source.objects.create(slug=slug, scheme=scheme, options=options or {}, **fields)
+        for secret in secrets:
+            SourceSecret.objects.create(source=source, secret=secret)
+    return source
+
+
+def source_throttle(source: Source) -> int:
+    """Seconds to wait if ``source`` is over its rate limit this second, else 0. Counted
+    per second in the cache (per web process with the default local-memory cache)."""
+    if not source.rate_limit:
+        return 0
+    key = f"ingest-rate:{source.id}:{int(time.time())}"
+    cache.add(key, 0, timeout=2)
+    return 1 if cache.incr(key) > source.rate_limit else 0
+
+
+def count_refusal(source: Source, reason: str, request=None, remote: str = "") -> None:
+    """Count a refused request per source and reason; never creates work."""
+    now = timezone.now()
+    sample = {"at": now.isoformat(), "remote": remote or _remote(request)}
+    updated = VerificationFailure.objects.filter(source=source, reason=reason).update(
+        count=F("count") + 1, last_at=now, sample=sample
+    )
+    if not updated:
+        try:
+            with transaction.atomic():
+                VerificationFailure.objects.create(
+                    source=source,
+                    reason=reason,
+                    count=1,
+                    first_at=now,
+                    last_at=now,
+                    sample=sample,
+                )
+        except IntegrityError:  # a concurrent first failure created it
+            VerificationFailure.objects.filter(source=source, reason=reason).update(
+                count=F("count") + 1, last_at=now, sample=sample
+            )
+    logger.info(
+        "inbound refused",
+        extra={"action": "ingest.refused", "source": source.slug, "reason": reason},
+    )
+
+
+def _remote(request) -> str:
+    return request.META.get("REMOTE_ADDR", "") if request is not None else ""
+
+
+# --- Receiving ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Received:
+    status: int
+    event_id: uuid.UUID | None = None
+    duplicate: bool = False
+
+
+def _live_secrets(source: Source, now: datetime) -> list[str]:
+    return list(
+        SourceSecret.objects.filter(source=source)
+        .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+        .order_by("-created_at")
+        .values_list("secret", flat=True)
+    )
+
+
+def _stored_headers(headers) -> dict[str, str]:
+    return {
+        k: v
+        for k, v in headers.items()
+        if k not in SECRET_HEADERS and not any(w in k for w in SIGNATURE_WORDS)
+    }
+
+
+def inbound_receive(*, source: Source, request: Request, remote: str = "") -> Received:
+    """Verify ``request`` for ``source``, then store it once.
+
+    Verification comes first and failures create nothing but a count. An authentic body
+    that does not parse is stored as ``rejected`` (evidence, never processed) and
+    answered 400. Otherwise the event and its processing job are inserted in one short
+    transaction; ``UNIQUE(source, event_id)`` turns a second copy, even a concurrent
+    one, into a counted duplicate."""
+    now = timezone.now()
+    scheme = get_scheme(source.scheme, source.options or None)
+    try:
+        scheme.verify(
+            request,
+            secrets=_live_secrets(source, now),
+            now=time.time(),
+            tolerance=source.replay_tolerance,
+        )
+    except VerificationFailed as exc:
+        count_refusal(source, exc.reason, remote=remote)
+        return Received(401)
+    try:
+        parsed = scheme.parse(request)
+        meta = scheme.extract(request, parsed)
+    except UnparseableBody as exc:
+        digest = hashlib.sha256(request.body).hexdigest()
+        event, duplicate = _insert(
+            source,
+            event_id=f"rejected:{digest}",
+            event_type="",
+            entity_id="",
+            occurred_at=None,
+            request=request,
+            now=now,
+            state=InboundState.REJECTED,
+            error=f"unparseable: {exc.reason}",
+        )
+        count_refusal(source, f"unparseable_{exc.reason}", remote=remote)
+        return Received(400, event, duplicate)
+    event, duplicate = _insert(
+        source,
+        event_id=meta.event_id,
+        event_type=meta.event_type,
+        entity_id=meta.entity_id,
+        occurred_at=meta.occurred_at,
+        request=request,
+        now=now,
+        state=InboundState.ENQUEUED,
+    )
+    logger.info(
+        "inbound received",
+        extra={
+            "action": "ingest.received",
+            "source": source.slug,
+            "event_id": meta.event_id,
+            "inbound_id": str(event),
+            "duplicate": duplicate,
+        },
+    )
+    return Received(200, event, duplicate)
+
+
+def _insert(
+    source, *, event_id, event_type, entity_id, occurred_at, request, now, state, error=""
+) -> tuple[uuid.UUID, bool]:
+    new_id = uuid.uuid4()
+    try:
+        with transaction.atomic():
+            InboundEvent.objects.create(
+                id=new_id,
+                source=source,
+                event_id=event_id,
+                event_type=event_type[:200],
+                entity_id=entity_id[:300],
+                occurred_at=occurred_at,
+                body=request.body,
+                headers=_stored_headers(request.headers),
+                state=state,
+                received_at=now,
+                next_attempt_at=now,
+                last_error=error,
+                dispatch_count=1 if state == InboundState.ENQUEUED else 0,
+                enqueued_at=now if state == InboundState.ENQUEUED else None,
+            )
+            if state == InboundState.ENQUEUED:
+                _write_outbox([new_id], now)
+    except IntegrityError:
+        existing = InboundEvent.objects.filter(source=source, event_id=event_id)
+        existing.update(duplicates=F("duplicates") + 1, last_duplicate_at=now)
+        return existing.values_list("id", flat=True).first(), True
+    return new_id, False
+
+
+def _write_outbox(ids: Sequence[uuid.UUID], now: datetime) -> None:
+    dispatches = dict(InboundEvent.objects.filter(id__in=ids).values_list("id", "dispatch_count"))
+    Outbox.objects.bulk_create(
+        [
+            Outbox(
+                message_key=message_key(i, dispatches[i], KIND),
+                kind=KIND,
+                ref_id=i,
+                dispatch=dispatches[i],
+                created_at=now,
+            )
+            for i in ids
+        ]
+    )
+
+
+# --- Scheduling (run by every scheduler pass) -----------------------------------------
+
+
+def inbound_schedule(now: datetime, page_size: int) -> tuple[Counter, bool]:
+    """Admit due pending events, expire leases, recover lost dispatches."""
+    counts: Counter = Counter()
+    lease_cutoff = now
+    stale_cutoff = now - timedelta(seconds=settings.SCHEDULER_STALE_ENQUEUED_SECONDS)
+    with transaction.atomic():
+        expired = list(
+            InboundEvent.objects.filter(state=InboundState.PROCESSING, lease_until__lt=lease_cutoff)
+            .select_for_update(skip_locked=True)
+            .values_list("id", flat=True)[:page_size]
+        )
+        lost = list(
+            InboundEvent.objects.filter(state=InboundState.ENQUEUED, enqueued_at__lt=stale_cutoff)
+            .select_for_update(skip_locked=True)
+            .values_list("id", flat=True)[:page_size]
+        )
+        InboundEvent.objects.filter(id__in=expired, state=InboundState.PROCESSING).update(
+            state=InboundState.PENDING,
+            next_attempt_at=now,
+            lease_until=None,
+            lease_token=None,
+            last_error="lease expired",
+        )
+        InboundEvent.objects.filter(id__in=lost, state=InboundState.ENQUEUED).update(
+            state=InboundState.PENDING, next_attempt_at=now
+        )
+        counts["lease_expired"], counts["transport_lost"] = len(expired), len(lost)
+    with transaction.atomic():
+        # Uses the partial index inbound_due.
+        due = list(
+            InboundEvent.objects.filter(state=InboundState.PENDING, next_attempt_at__lte=now)
+            .select_for_update(skip_locked=True)
+            .order_by("next_attempt_at")
+            .values_list("id", flat=True)[:page_size]
+        )
+        if due:
+            InboundEvent.objects.filter(id__in=due, state=InboundState.PENDING).update(
+                state=InboundState.ENQUEUED,
+                enqueued_at=now,
+                dispatch_count=F("dispatch_count") + 1,
+            )
+            _write_outbox(due, now)
+        counts["enqueued"] = len(due)
+    return counts, len(due) >= page_size
+
+
+# --- Processing (run by the workers) --------------------------------------------------
+
+
+def inbound_process(messages: Sequence[Message]) -> Counter:
+    """Lease the events named by the messages, then process each in its own
+    transaction. Stale copies of messages (another dispatch, already leased or done)
+    are skipped."""
+    counts: Counter = Counter()
+    now = timezone.now()
+    token = uuid.uuid4()
+    wanted = {m.job_id: m.dispatch for m in messages}
+    with transaction.atomic():
+        rows = [
+            (event_id, dispatch)
+            for event_id, dispatch in InboundEvent.objects.filter(
+                id__in=wanted, state=InboundState.ENQUEUED
+            )
+            .select_for_update(skip_locked=True)
+            .values_list("id", "dispatch_count")
+            if wanted[event_id] == dispatch
+        ]
+        leased = [r[0] for r in rows]
+        InboundEvent.objects.filter(id__in=leased, state=InboundState.ENQUEUED).update(
+            state=InboundState.PROCESSING,
+            lease_token=token,
+            lease_until=now + timedelta(seconds=LOCK_TTL + 30),
+            attempt_count=F("attempt_count") + 1,
+        )
+    counts["skipped_messages"] = len(messages) - len(leased)
+    for event in InboundEvent.objects.filter(id__in=leased).select_related("source"):
+        counts[_process_one(event, token)] += 1
+    return counts
+
+
+def _process_one(event: InboundEvent, token: uuid.UUID) -> str:
+    owner = f"{token}"
+    lock_key = f"{event.source.slug}:{event.entity_id}" if event.entity_id else ""
+    if lock_key and not entity_lock_acquire(key=lock_key, owner=owner, ttl=LOCK_TTL):
+        # Another event of the same entity is being applied: try again shortly, without
+        # counting it as a failure.
+        _finish(
+            event,
+            token,
+            state=InboundState.PENDING,
+            delay=LOCK_BUSY_RETRY,
+            error="entity locked",
+            count_attempt=False,
+        )
+        return "entity_busy"
+    try:
+        return _run_handlers(event, token)
+    finally:
+        if lock_key:
+            entity_lock_release(key=lock_key, owner=owner)
+
+
+def _run_handlers(event: InboundEvent, token: uuid.UUID) -> str:
+    scheme = get_scheme(event.source.scheme, event.source.options or None)
+    request = Request(headers=event.headers, body=bytes(event.body))
+    parsed = ParsedEvent(
+        id=str(event.id),
+        source=event.source.slug,
+        event_id=event.event_id,
+        event_type=event.event_type,
+        entity_id=event.entity_id,
+        occurred_at=event.occurred_at,
+        payload=scheme.parse(request),
+        body=request.body,
+        headers=event.headers,
+        attempt=event.attempt_count,
+    )
+    registrations = handlers_for(event.source.slug, event.event_type)
+    version_key = f"{event.source.slug}:{event.entity_id}" if event.entity_id else ""
+    started = timezone.now()
+    try:
+        with transaction.atomic():
+            stale = _is_stale(version_key, event)
+            runs, ran = [], 0
+            for registration in registrations:
+                if stale and not registration.see_stale:
+                    runs.append(_run_row(event, registration.name, started, "stale"))
+                    continue
+                t0 = time.perf_counter()
+                registration.func(parsed)
+                ran += 1
+                runs.append(
+                    _run_row(
+                        event, registration.name, started, "ok", (time.perf_counter() - t0) * 1000
+                    )
+                )
+            if not registrations:
+                runs.append(_run_row(event, "", started, "no_handler"))
+            HandlerRun.objects.bulk_create(runs)
+            if version_key and not stale and event.occurred_at:
+                EntityVersion.objects.update_or_create(
+                    key=version_key, defaults={"applied_at": event.occurred_at, "event": event}
+                )
+            final = InboundState.PROCESSED if ran else InboundState.SKIPPED
+            if not _finish(event, token, state=final):
+                # The lease was lost (expired and taken over): undo, the owner applies it.
+                raise _LeaseLost
+    except _LeaseLost:
+        return "lease_lost"
+    except Exception as exc:
+        _record_failure(event, token, started, exc)
+        return "failed"
+    return "stale" if stale else final
+
+
+class _LeaseLost(Exception):
+    pass
+
+
+def _is_stale(version_key: str, event: InboundEvent) -> bool:
+    """Older than the last event applied to the same entity (by the events' own time)."""
+    if not version_key or event.occurred_at is None:
+        return False
+    applied = (
+        EntityVersion.objects.select_for_update()
+        .filter(key=version_key)
+        .values_list("applied_at", flat=True)
+        .first()
+    )
+    return applied is not None and event.occurred_at < applied
+
+
+def _run_row(event, name, started, outcome, duration_ms=0.0, error=""):
+    return HandlerRun(
+        event=event,
+        handler=name,
+        attempt=event.attempt_count,
+        started_at=started,
+        duration_ms=duration_ms,
+        outcome=outcome,
+        error=error,
+    )
+
+
+def _record_failure(event, token, started, exc) -> None:
+    error = "".join(traceback.format_exception_only(exc)).strip()[:2000]
+    policy = RetryPolicy.from_settings()
+    delay = policy.next_delay(max(event.attempt_count, 1))
+    with transaction.atomic():
+        HandlerRun.objects.create(
+            event=event,
+            handler="",
+            attempt=event.attempt_count,
+            started_at=started,
+            duration_ms=(timezone.now() - started).total_seconds() * 1000,
+            outcome=HandlerRun.Outcome.ERROR,
+            error=error,
+        )
+        _finish(
+            event,
+            token,
+            state=InboundState.PENDING if delay is not None else InboundState.DEAD,
+            delay=delay or 0,
+            error=error,
+        )
+    logger.warning(
+        "handler failed",
+        extra={
+            "action": "ingest.handler_failed",
+            "inbound_id": str(event.id),
+            "error": error[:200],
+        },
+    )
+
+
+def _finish(
+    event, token, *, state, delay: float = 0.0, error: str = "", count_attempt: bool = True
+) -> bool:
+    """The guarded transition out of ``processing``, for the lease holder only."""
+    now = timezone.now()
+    fields = {"state": state, "lease_until": None, "lease_token": None, "last_error": error}
+    if state == InboundState.PENDING:
+        fields["next_attempt_at"] = now + timedelta(seconds=delay)
+        if not count_attempt:
+            fields["attempt_count"] = F("attempt_count") - 1
+    else:
+        fields["processed_at"] = now
+    return bool(
+        InboundEvent.objects.filter(
+            id=event.id, state=InboundState.PROCESSING, lease_token=token
+        ).update(**fields)
+    )
+
+
+def inbound_reprocess(*, event_ids: Sequence[uuid.UUID], actor=None) -> int:
+    """Process events again (staff), audited; the handlers must be idempotent for it."""
+    from deliveries.services import audit
+
+    now = timezone.now()
+    with transaction.atomic():
+        n = InboundEvent.objects.filter(
+            id__in=list(event_ids),
+            state__in=[InboundState.PROCESSED, InboundState.SKIPPED, InboundState.DEAD],
+        ).update(state=InboundState.PENDING, next_attempt_at=now, attempt_count=0)
+        audit(
+            actor=actor,
+            action="inbound.reprocess",
+            target="inbound_event",
+            count=n,
+            ids=[str(i) for i in list(event_ids)[:100]],
+        )
+    return n

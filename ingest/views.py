@@ -1,0 +1,80 @@
+"""``POST /ingest/<source-slug>/``: verify, dedupe, store, acknowledge. No handler runs
+inside the request; the worker processes the stored event later.
+
+Order of checks, each with its status: method (405), source known and enabled (404),
+rate limit (429 with Retry-After), content type (415), body size while reading (413,
+without buffering past the limit), signature over the raw bytes (401, generic body),
+then parse (400, stored as rejected since it was authentic), then one short transaction
+that inserts the event or counts a duplicate (200 either way).
+"""
+
+import logging
+
+from django.http import JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from . import services
+from .schemes import Request
+
+logger = logging.getLogger("ingest")
+
+READ_CHUNK = 64 * 1024
+
+
+def _error(status: int, code: str, message: str, headers: dict | None = None) -> JsonResponse:
+    response = JsonResponse({"error": {"code": code, "message": message}}, status=status)
+    for name, value in (headers or {}).items():
+        response[name] = value
+    return response
+
+
+def _read_limited(request, limit: int) -> bytes | None:
+    """The body, or None once more than ``limit`` bytes arrived (reading stops there)."""
+    declared = request.META.get("CONTENT_LENGTH")
+    if declared and declared.isdigit() and int(declared) > limit:
+        return None
+    chunks, size = [], 0
+    while True:
+        chunk = request.read(READ_CHUNK)
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+
+
+@csrf_exempt
+def receive(request, slug: str):
+    if request.method != "POST":
+        response = _error(405, "method_not_allowed", "Use POST.")
+        response["Allow"] = "POST"
+        return response
+    source = services.source_for(slug)
+    if source is None:
+        return _error(404, "not_found", "No such source.")
+    wait = services.source_throttle(source)
+    if wait:
+        return _error(429, "throttled", "Too many requests.", {"Retry-After": str(wait)})
+    content_type = request.content_type.lower()
+    if content_type not in source.accepted_content_types:
+        services.count_refusal(source, "content_type", request)
+        return _error(415, "unsupported_media_type", "Unsupported content type.")
+    body = _read_limited(request, source.max_body_bytes)
+    if body is None:
+        services.count_refusal(source, "too_large", request)
+        return _error(413, "too_large", "The body is too large.")
+    inbound = Request(headers={k.lower(): v for k, v in request.headers.items()}, body=body)
+    outcome = services.inbound_receive(source=source, request=inbound, remote=_remote(request))
+    if outcome.status == 401:
+        # Generic on purpose: the reason is counted, not told to the caller.
+        return _error(401, "unauthorized", "Signature verification failed.")
+    if outcome.status == 400:
+        return _error(400, "unparseable", "The body could not be parsed.")
+    return JsonResponse(
+        {"status": "duplicate" if outcome.duplicate else "accepted", "id": str(outcome.event_id)}
+    )
+
+
+def _remote(request) -> str:
+    return request.META.get("REMOTE_ADDR", "")

@@ -1,0 +1,349 @@
+"""Receiving and processing inbound webhooks, on PostgreSQL with the real pipeline."""
+
+import json
+import threading
+import time
+from collections import Counter
+
+import pytest
+from django.db import connection
+from django.test import Client
+
+from deliveries import services as delivery_services
+from deliveries.models import Delivery, Tenant
+from ingest import handlers
+from ingest.models import HandlerRun, InboundEvent, VerificationFailure
+from ingest.schemes import get_scheme
+from ingest.services import source_create
+from tests.conftest import drain
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+SECRET = "whsec_test_secret"
+
+
+@pytest.fixture
+def stripe():
+    return source_create(slug="stripe", scheme="stripe", secrets=[SECRET])
+
+
+@pytest.fixture
+def applied():
+    """A handler that records every application of an event (its 'effect')."""
+    effects: list = []
+    registration = handlers.Registration(
+        "stripe", "*", lambda e: effects.append((e.event_id, e.event_type, e.payload))
+    )
+    handlers.REGISTRY.append(registration)
+    yield effects
+    handlers.REGISTRY.remove(registration)
+
+
+def stripe_event(
+    event_id="evt_1", event_type="invoice.paid", created=None, obj="in_1", **extra
+) -> bytes:
+    return json.dumps(
+        {
+            "id": event_id,
+            "object": "event",
+            "type": event_type,
+            "created": created or int(time.time()),
+            "data": {"object": {"id": obj, **extra}},
+        }
+    ).encode()
+
+
+def post(
+    body: bytes,
+    *,
+    secret=SECRET,
+    timestamp=None,
+    content_type="application/json",
+    slug="stripe",
+    headers=None,
+    client=None,
+):
+    signed = get_scheme("stripe").sign(body=body, secret=secret, timestamp=timestamp)
+    signed.pop("content-type", None)
+    extra = {
+        f"HTTP_{k.upper().replace('-', '_')}": v for k, v in {**signed, **(headers or {})}.items()
+    }
+    return (client or Client()).post(f"/ingest/{slug}/", body, content_type=content_type, **extra)
+
+
+def test_a_signed_event_is_accepted_then_processed_once(stripe, applied):
+    r = post(stripe_event())
+    assert r.status_code == 200
+    assert r.json()["status"] == "accepted"
+    assert applied == []  # nothing runs inside the request
+    event = InboundEvent.objects.get()
+    assert event.state == "enqueued" and event.event_type == "invoice.paid"
+    assert event.entity_id == "in_1"
+    assert "stripe-signature" not in event.headers
+
+    drain()
+
+    event.refresh_from_db()
+    assert event.state == "processed"
+    assert [(e[0], e[1]) for e in applied] == [("evt_1", "invoice.paid")]
+    assert HandlerRun.objects.get().outcome == "ok"
+
+
+def test_the_same_event_posted_20_times_concurrently_is_applied_once(stripe, applied):
+    body = stripe_event()
+    barrier = threading.Barrier(20)
+    codes: list[int] = []
+
+    def send():
+        try:
+            barrier.wait()
+            codes.append(post(body).status_code)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=send) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    assert codes == [200] * 20
+    event = InboundEvent.objects.get()
+    assert event.duplicates == 19
+    drain()
+    assert len(applied) == 1
+
+
+@pytest.mark.parametrize(
+    ("case", "status", "reason"),
+    [
+        ("forged", 401, "bad_signature"),
+        ("stale", 401, "stale_timestamp"),
+        ("future", 401, "future_timestamp"),
+        ("truncated", 401, "bad_signature"),
+        ("unsigned", 401, "missing_signature"),
+        ("oversized", 413, "too_large"),
+        ("content_type", 415, "content_type"),
+    ],
+)
+def test_refused_requests_get_their_status_create_no_work_and_are_counted(
+    stripe, case, status, reason
+):
+    stripe.max_body_bytes = 2000
+    stripe.save()
+    body = stripe_event()
+    now = int(time.time())
+    if case == "forged":
+        r = post(body, secret="whsec_wrong")
+    elif case == "stale":
+        r = post(body, timestamp=now - 301)
+    elif case == "future":
+        r = post(body, timestamp=now + 301)
+    elif case == "truncated":
+        signed = get_scheme("stripe").sign(body=body, secret=SECRET)
+        r = Client().post(
+            "/ingest/stripe/",
+            body[:-5],
+            content_type="application/json",
+            HTTP_STRIPE_SIGNATURE=signed["stripe-signature"],
+        )
+    elif case == "unsigned":
+        r = Client().post("/ingest/stripe/", body, content_type="application/json")
+    elif case == "oversized":
+        r = post(stripe_event(padding="x" * 3000))
+    else:
+        r = post(body, content_type="text/plain")
+    assert r.status_code == status
+    assert set(r.json()) == {"error"}
+    assert InboundEvent.objects.count() == 0
+    assert VerificationFailure.objects.get(reason=reason).count == 1
+    if status == 401:
+        assert r.json()["error"]["message"] == "Signature verification failed."
+
+
+def test_the_replay_window_holds_in_both_directions(stripe):
+    now = int(time.time())
+    assert post(stripe_event("evt_a"), timestamp=now - 295).status_code == 200
+    assert post(stripe_event("evt_b"), timestamp=now + 295).status_code == 200
+
+
+def test_method_unknown_source_and_disabled_source(stripe):
+    assert Client().get("/ingest/stripe/").status_code == 405
+    assert post(stripe_event(), slug="nope").status_code == 404
+    stripe.enabled = False
+    stripe.save()
+    assert post(stripe_event()).status_code == 404
+
+
+def test_an_authentic_body_that_does_not_parse_is_stored_as_rejected(stripe, applied):
+    r = post(b'{"object": "event"}')  # signed, but no id
+    assert r.status_code == 400
+    event = InboundEvent.objects.get()
+    assert event.state == "rejected" and "missing_event_id" in event.last_error
+    drain()
+    assert applied == []
+
+
+def test_per_source_rate_limit_answers_429_with_retry_after(stripe):
+    from django.core.cache import cache
+
+    cache.clear()
+    stripe.rate_limit = 2
+    stripe.save()
+    responses = [post(stripe_event(f"evt_{i}")) for i in range(6)]
+    # Six requests span at most two one-second windows of two requests each.
+    refused = [r for r in responses if r.status_code == 429]
+    assert len(refused) >= 2
+    assert all(r["Retry-After"] == "1" for r in refused)
+    assert InboundEvent.objects.count() == 6 - len(refused)
+
+
+def test_out_of_order_updated_before_created_ends_in_the_right_state(stripe):
+    state: dict = {}
+
+    def apply(e):
+        state[e.entity_id] = e.payload["data"]["object"]["status"]
+
+    registration = handlers.Registration("stripe", "customer.*", apply)
+    handlers.REGISTRY.append(registration)
+    try:
+        t0 = int(time.time()) - 60
+        post(
+            stripe_event(
+                "evt_upd", "customer.updated", created=t0 + 10, obj="cus_1", status="active"
+            )
+        )
+        drain()
+        post(
+            stripe_event(
+                "evt_new", "customer.created", created=t0, obj="cus_1", status="incomplete"
+            )
+        )
+        drain()
+    finally:
+        handlers.REGISTRY.remove(registration)
+
+    assert state == {"cus_1": "active"}
+    created = InboundEvent.objects.get(event_id="evt_new")
+    assert created.state == "skipped"
+    assert HandlerRun.objects.get(event=created).outcome == "stale"
+
+
+def test_a_handler_can_publish_outbound_events_in_its_transaction(stripe, receiver):
+    tenant = Tenant.objects.create(name="t")
+    delivery_services.endpoint_create(tenant=tenant, url=receiver.url("/ok"))
+
+    def forward(e):
+        delivery_services.publish_event(
+            tenant=tenant, event_type="payment.received", payload={"from": e.event_id}
+        )
+
+    registration = handlers.Registration("stripe", "invoice.paid", forward)
+    handlers.REGISTRY.append(registration)
+    try:
+        post(stripe_event())
+        drain()
+        drain()
+    finally:
+        handlers.REGISTRY.remove(registration)
+    assert Delivery.objects.get().state == "succeeded"
+    assert json.loads(receiver.received[0].body) == {"from": "evt_1"}
+
+
+def test_a_failing_handler_is_retried_then_succeeds(stripe, settings):
+    settings.DELIVERY_RETRY_SCHEDULE = [0]
+    calls = Counter()
+
+    def flaky(e):
+        calls[e.event_id] += 1
+        if calls[e.event_id] == 1:
+            raise RuntimeError("downstream is down")
+
+    registration = handlers.Registration("stripe", "*", flaky)
+    handlers.REGISTRY.append(registration)
+    try:
+        post(stripe_event())
+        drain()
+        drain()
+    finally:
+        handlers.REGISTRY.remove(registration)
+    event = InboundEvent.objects.get()
+    assert event.state == "processed" and calls["evt_1"] == 2
+    outcomes = list(HandlerRun.objects.order_by("id").values_list("outcome", flat=True))
+    assert outcomes == ["error", "ok"]
+
+
+def test_a_handler_that_always_fails_ends_dead(stripe, settings):
+    settings.DELIVERY_RETRY_SCHEDULE = [0, 0]
+
+    def broken(e):
+        raise ValueError("bug")
+
+    registration = handlers.Registration("stripe", "*", broken)
+    handlers.REGISTRY.append(registration)
+    try:
+        post(stripe_event())
+        for _ in range(4):
+            drain()
+    finally:
+        handlers.REGISTRY.remove(registration)
+    event = InboundEvent.objects.get()
+    assert event.state == "dead"
+    assert "ValueError: bug" in event.last_error
+    assert HandlerRun.objects.filter(outcome="error").count() == 3
+
+
+def test_receiving_keeps_answering_while_processing_is_stalled_then_drains(stripe, applied):
+    for i in range(50):
+        assert post(stripe_event(f"evt_{i}", obj=f"in_{i}")).status_code == 200
+    assert InboundEvent.objects.filter(state="enqueued").count() == 50
+    assert applied == []
+    drain()
+    assert len(applied) == 50
+    assert InboundEvent.objects.filter(state="processed").count() == 50
+
+
+def test_create_source_command(settings):
+    from tests.conftest import manage, subprocess_env
+
+    r = manage(
+        "create_source",
+        "gh",
+        "--scheme",
+        "github",
+        "--secret",
+        "s1",
+        "--secret",
+        "s2",
+        env=subprocess_env(),
+    )
+    assert r.returncode == 0, r.stderr
+    from ingest.models import Source
+
+    source = Source.objects.get(slug="gh")
+    assert source.scheme == "github" and source.secrets.count() == 2
+    bad = manage(
+        "create_source",
+        "x",
+        "--scheme",
+        "hmac",
+        "--secret",
+        "s",
+        "--options",
+        '{"algorithm": "md5"}',
+        env=subprocess_env(),
+    )
+    assert bad.returncode != 0
+
+
+def test_run_workers_processes_inbound_and_reprocess_is_audited(stripe, applied):
+    from deliveries.models import AuditEntry
+    from ingest.services import inbound_reprocess
+
+    post(stripe_event())
+    drain()
+    event = InboundEvent.objects.get()
+    assert inbound_reprocess(event_ids=[event.id]) == 1
+    drain()
+    assert len(applied) == 2
+    assert AuditEntry.objects.get(action="inbound.reprocess").count == 1
