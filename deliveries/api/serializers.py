@@ -90,10 +90,15 @@ class SecretOutput(serializers.Serializer):
 
 class EventInput(serializers.Serializer):
     event_type = serializers.CharField(max_length=200)
-    payload = serializers.JSONField()
+    payload = serializers.JSONField(help_text="A JSON object: the body receivers get.")
     entity_id = serializers.CharField(max_length=200, required=False, allow_blank=True)
     priority = serializers.IntegerField(required=False, min_value=-100, max_value=100)
     deliver_at = serializers.DateTimeField(required=False)
+
+    def validate_payload(self, payload):
+        if not isinstance(payload, dict):
+            raise serializers.ValidationError("must be a JSON object")
+        return payload
 
 
 class EventOutput(serializers.ModelSerializer):

@@ -1,7 +1,10 @@
 """The customer REST API under /api/v1/. Every queryset is filtered by the caller's
 tenant in ``get_queryset``; an id of another tenant is a 404, the same as a random id."""
 
+from datetime import UTC
+
 import django_filters
+from django.core.exceptions import ValidationError
 from django.db import transaction
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, pagination, status, viewsets
@@ -21,12 +24,23 @@ class NewestFirst(pagination.CursorPagination):
     max_page_size = 250
 
 
+class AttemptPages(pagination.CursorPagination):
+    ordering = ("number", "id")
+    page_size = 100
+
+
 class TenantScoped:
     authentication_classes = [ApiKeyAuthentication]
     permission_classes = [IsTenant]
     throttle_classes = [ApiKeyThrottle]
     pagination_class = NewestFirst
     lookup_value_regex = "[^/]+"
+
+    def filter_queryset(self, queryset):
+        # List filters apply to lists only, never to the lookup of one object.
+        if self.action != "list":
+            return queryset
+        return super().filter_queryset(queryset)
 
     @property
     def tenant(self):
@@ -85,11 +99,27 @@ class EndpointViewSet(TenantScoped, viewsets.ModelViewSet):
         return Response(s.EventOutput(event).data, status=status.HTTP_202_ACCEPTED)
 
 
+class UtcDateTimeField(django_filters.fields.IsoDateTimeField):
+    """ISO 8601 with any offset Python accepts, normalised to UTC: PostgreSQL refuses
+    offsets past ±15:59, and an instant near the ends of the calendar cannot be moved."""
+
+    def to_python(self, value):
+        parsed = super().to_python(value)
+        try:
+            return parsed.astimezone(UTC) if parsed is not None and parsed.tzinfo else parsed
+        except OverflowError as exc:
+            raise ValidationError("Enter a date and time within the calendar.") from exc
+
+
+class UtcDateTimeFilter(django_filters.IsoDateTimeFilter):
+    field_class = UtcDateTimeField
+
+
 class EventFilter(django_filters.FilterSet):
     event_type = django_filters.CharFilter()
     entity_id = django_filters.CharFilter()
-    created_after = django_filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="gte")
-    created_before = django_filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="lt")
+    created_after = UtcDateTimeFilter(field_name="created_at", lookup_expr="gte")
+    created_before = UtcDateTimeFilter(field_name="created_at", lookup_expr="lt")
 
     class Meta:
         model = Event
@@ -136,8 +166,8 @@ class DeliveryFilter(django_filters.FilterSet):
     endpoint_id = django_filters.UUIDFilter()
     event_id = django_filters.UUIDFilter()
     event_type = django_filters.CharFilter(field_name="event__event_type")
-    created_after = django_filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="gte")
-    created_before = django_filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="lt")
+    created_after = UtcDateTimeFilter(field_name="created_at", lookup_expr="gte")
+    created_before = UtcDateTimeFilter(field_name="created_at", lookup_expr="lt")
 
     class Meta:
         model = Delivery
@@ -153,21 +183,13 @@ class DeliveryViewSet(
     def get_queryset(self):
         return Delivery.objects.filter(tenant=self.tenant).select_related("event")
 
-    @extend_schema(responses=s.AttemptOutput(many=True))
-    @action(detail=True, methods=["get"])
+    @extend_schema(responses=s.AttemptOutput(many=True), filters=False)
+    @action(detail=True, methods=["get"], pagination_class=AttemptPages)
     def attempts(self, request, pk=None):
+        """The attempt timeline, oldest first."""
         delivery = self.get_object()
-        page = self.paginate_queryset(
-            Attempt.objects.filter(delivery=delivery).order_by("number", "id")
-        )
+        page = self.paginate_queryset(Attempt.objects.filter(delivery=delivery))
         return self.get_paginated_response(s.AttemptOutput(page, many=True).data)
-
-    def paginate_queryset(self, queryset):
-        if self.action == "attempts":
-            paginator = pagination.LimitOffsetPagination()
-            paginator.default_limit = 100
-            self._paginator = paginator
-        return super().paginate_queryset(queryset)
 
     @extend_schema(request=None, responses={202: s.CountOutput})
     @action(detail=True, methods=["post"])
