@@ -273,9 +273,14 @@ class DeliveryAdmin(ReadOnlyAdmin):
         attempt = d.attempts.order_by("-number", "-id").first()
         if attempt is None:
             return "no attempt yet"
-        return format_html_join(
-            "", "<div><code>{}: {}</code></div>", sorted(attempt.request_headers.items())
-        )
+        headers = {
+            "content-type": "application/json",
+            "webhook-id": str(d.id),
+            "idempotency-key": str(d.id),
+            "webhook-signature": "v1,… (one per active secret)",
+            **attempt.request_headers,
+        }
+        return format_html_join("", "<div><code>{}: {}</code></div>", sorted(headers.items()))
 
     @admin.display(description="body")
     def event_body(self, d):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 from django_q.brokers import Broker, get_broker
@@ -55,6 +55,24 @@ class Message:
         )
 
 
+_DEQUEUE_SQL = """
+UPDATE deliveries_queuemessage SET visible_at = %s, receives = receives + 1
+WHERE id IN (
+    SELECT id FROM deliveries_queuemessage WHERE queue = %s AND visible_at <= %s
+    ORDER BY priority DESC, visible_at LIMIT %s FOR UPDATE SKIP LOCKED
+)
+RETURNING id, payload, priority
+"""
+
+
+_ENQUEUE_SQL = """
+INSERT INTO deliveries_queuemessage (queue, payload, priority, visible_at, receives, created_at)
+SELECT %s, t.payload, t.priority, %s, 0, %s
+FROM unnest(%s::text[], %s::int[]) AS t(payload, priority)
+RETURNING id
+"""
+
+
 class DatabaseBroker(Broker):
     """django-q2 broker on the service's database, with batch claims and batch acks."""
 
@@ -70,6 +88,12 @@ class DatabaseBroker(Broker):
 
     def enqueue_many(self, tasks: Sequence[str], *, priorities: Sequence[int]) -> list[int]:
         now = timezone.now()
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    _ENQUEUE_SQL, [self.list_key, now, now, list(tasks), list(priorities)]
+                )
+                return [r[0] for r in cursor.fetchall()]
         rows = QueueMessage.objects.bulk_create(
             [
                 QueueMessage(
@@ -85,17 +109,23 @@ class DatabaseBroker(Broker):
         for the visibility timeout. An unacknowledged message becomes visible again."""
         now = timezone.now()
         limit = limit or settings.WORKER_BATCH_SIZE
+        hidden_until = now + self._visibility()
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                # One statement: claim and hide. The inner SELECT uses queue_visible.
+                cursor.execute(_DEQUEUE_SQL, [hidden_until, self.list_key, now, limit])
+                rows = cursor.fetchall()
+            rows.sort(key=lambda r: (-r[2], r[0]))
+            return [(r[0], r[1]) for r in rows]
         with transaction.atomic():
-            # Uses the index queue_visible.
             rows = list(
                 QueueMessage.objects.filter(queue=self.list_key, visible_at__lte=now)
-                .select_for_update(skip_locked=True)
                 .order_by("-priority", "visible_at")
                 .values_list("id", "payload")[:limit]
             )
             if rows:
                 QueueMessage.objects.filter(id__in=[r[0] for r in rows]).update(
-                    visible_at=now + self._visibility(), receives=F("receives") + 1
+                    visible_at=hidden_until, receives=F("receives") + 1
                 )
         return rows
 

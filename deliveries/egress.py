@@ -31,12 +31,13 @@ Every request the service makes to a URL a tenant gave us goes through
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import ipaddress
 import re
 import socket
 import ssl
 import time
-import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -100,10 +101,20 @@ _CGNAT = ipaddress.ip_network("100.64.0.0/10")
 _NUMERIC_LABEL = re.compile(r"^(?:0x[0-9a-f]*|[0-9]+)$")
 _HOSTNAME_LABEL = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?$")
 
-# RFC 9110 field-name token, and a field value free of CR, LF and NUL. aiohttp
-# refuses such headers too, but only with a ValueError after it has connected.
-_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+# RFC 9110 field-name token (used with ``fullmatch``: ``$`` would let a trailing
+# newline through), and a field value free of CR, LF and NUL. aiohttp refuses such
+# headers too, but with a bare ValueError that is no EgressError.
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _HEADER_VALUE_FORBIDDEN = re.compile(r"[\r\n\x00]")
+
+# Per-request work that gives the same answer every time is remembered, in bounded
+# caches (a miss only costs the work again). URL verdicts are per session, because a
+# session has one immutable policy; header names are checked against a fixed rule, so
+# one cache serves the process. DNS answers are not cached here: the resolver judges
+# every lookup, for every new connection, whatever verdict the URL had.
+_URL_VERDICT_CACHE_SIZE = 4096
+_HEADER_NAME_CACHE_SIZE = 1024
+_CLIENT_TIMEOUT_CACHE_SIZE = 64
 
 
 class ErrorKind(StrEnum):
@@ -371,18 +382,40 @@ def _policy_socket_factory(policy: EgressPolicy) -> Callable[[Any], socket.socke
     return create
 
 
-@dataclass
 class _Attempt:
-    """Per-request scratchpad filled in by aiohttp trace hooks."""
+    """Per-request scratchpad: whether the connector handed this request a connection."""
 
-    connected: bool = False
+    __slots__ = ("connected",)
+
+    def __init__(self) -> None:
+        self.connected = False
 
 
-async def _on_connected(
-    _session: aiohttp.ClientSession, ctx: types.SimpleNamespace, _params: Any
-) -> None:
-    if isinstance(ctx.trace_request_ctx, _Attempt):
-        ctx.trace_request_ctx.connected = True
+# The attempt of the request running in this task. aiohttp calls the connector from
+# inside ``session.request``, in the caller's task, so the connector finds the right
+# attempt without per-request trace hooks (whose signal plumbing cost more than the
+# rest of the egress checks together); concurrent requests run in separate tasks, each
+# with its own context.
+_current_attempt: contextvars.ContextVar[_Attempt | None] = contextvars.ContextVar(
+    "egress_attempt", default=None
+)
+
+
+class _AttemptMarkingConnector(aiohttp.TCPConnector):
+    """A TCPConnector that marks the current attempt connected once it has a connection.
+
+    ``connect`` returns a pooled keep-alive connection or a newly made one (TCP and TLS
+    handshakes done); either way the request may reach the receiver from then on. If
+    aiohttp retries a request whose reused connection turned out dead, the mark from the
+    first try stays: that try may already have been delivered.
+    """
+
+    async def connect(self, req: Any, traces: Any, timeout: aiohttp.ClientTimeout) -> Any:
+        connection = await super().connect(req, traces, timeout)
+        attempt = _current_attempt.get()
+        if attempt is not None:
+            attempt.connected = True
+        return connection
 
 
 def _find_in_chain(exc: BaseException, cls: type[BaseException]) -> BaseException | None:
@@ -406,12 +439,12 @@ def _translate(exc: BaseException, attempt: _Attempt, elapsed_ms: float) -> Egre
     """Map an aiohttp/OS failure onto an :class:`ErrorKind`.
 
     Ambiguity follows one rule: the request may have reached the receiver iff
-    a connection was established (trace hook) before the failure. So a
-    timeout while resolving or connecting is not ambiguous, a timeout while
-    waiting for or reading the response is; a server that hangs up after we
-    sent the request is ambiguous. ServerDisconnectedError and
+    a connection was established (marked by :class:`_AttemptMarkingConnector`)
+    before the failure. So a timeout while resolving or connecting is not
+    ambiguous, a timeout while waiting for or reading the response is; a server
+    that hangs up after we sent the request is ambiguous. ServerDisconnectedError and
     ClientPayloadError only happen on an established connection, so they are
-    ambiguous even if the hook somehow did not fire.
+    ambiguous even if the mark somehow was not set.
     """
 
     def error(kind: ErrorKind, detail: str, ambiguous: bool = False) -> EgressError:
@@ -447,14 +480,60 @@ async def _read_capped(response: aiohttp.ClientResponse, cap: int) -> tuple[byte
     Reading one byte past the cap is how we learn the body was longer without
     reading the rest of it.
     """
-    buffer = bytearray()
     want = cap + 1
+    first = await response.content.read(want)
+    if len(first) < want and response.content.at_eof():
+        return first, False  # the usual short answer, already complete: no copies
+    buffer = bytearray(first)
     while len(buffer) < want:
         chunk = await response.content.read(want - len(buffer))
         if not chunk:
             break
         buffer += chunk
     return bytes(buffer[:cap]), len(buffer) > cap
+
+
+@functools.lru_cache(maxsize=_HEADER_NAME_CACHE_SIZE)
+def _lowered_header_name(name: str) -> str | None:
+    """``name`` lower-cased if it is an RFC 9110 token, else None.
+
+    Cached: a worker sends the same few names on every request; only values vary.
+    """
+    return name.lower() if _HEADER_NAME.fullmatch(name) else None
+
+
+def _headers_to_send(headers: Mapping[str, str]) -> dict[str, str]:
+    """A copy of ``headers`` that is safe to send, with our User-Agent unless one is set.
+
+    The copy is what is checked and what is sent, so a caller mutating its mapping
+    cannot change a header after the check. Raises EgressError (INVALID_URL) for a name
+    that is not a token or a value that is not a string free of CR, LF and NUL.
+    """
+    checked = dict(headers)
+    has_user_agent = False
+    for name in checked:
+        lowered = _lowered_header_name(name) if isinstance(name, str) else None
+        if lowered is None:
+            raise _invalid_header(name)
+        if lowered == "user-agent":
+            has_user_agent = True
+    try:
+        # One pass over all values at once; join also refuses any value that is not a str.
+        values = "".join(checked.values())
+    except TypeError:
+        values = "\x00"
+    if "\r" in values or "\n" in values or "\x00" in values:
+        for name, value in checked.items():
+            if not isinstance(value, str) or _HEADER_VALUE_FORBIDDEN.search(value):
+                raise _invalid_header(name)
+    if not has_user_agent:
+        checked["User-Agent"] = USER_AGENT
+    return checked
+
+
+def _invalid_header(name: object) -> EgressError:
+    # A configuration problem like a bad URL: nothing can be sent.
+    return EgressError(ErrorKind.INVALID_URL, f"request header {name!r} is not a valid HTTP header")
 
 
 class EgressSession:
@@ -464,6 +543,10 @@ class EgressSession:
     Arguments left as None come from settings. ``resolver`` is the underlying
     resolver that the policy check wraps (tests inject stubs to simulate DNS
     rebinding); by default aiohttp's ThreadedResolver.
+
+    The policy is fixed for the session's life, so the verdict on a URL string is
+    too: accepted URLs are remembered (bounded LRU) and not parsed again. Refused
+    ones are not remembered; they are judged afresh each time.
     """
 
     def __init__(
@@ -493,6 +576,11 @@ class EgressSession:
         self._owns_resolver = resolver is None
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
+        # lru_cache remembers only returns, never raises: a refused URL is not cached.
+        self._checked_url = functools.lru_cache(maxsize=_URL_VERDICT_CACHE_SIZE)(
+            self._policy._checked_url
+        )
+        self._client_timeouts: dict[float, aiohttp.ClientTimeout] = {}
 
     async def __aenter__(self) -> EgressSession:
         self._ensure_session()
@@ -530,7 +618,7 @@ class EgressSession:
         if self._session is None:
             if self._inner_resolver is None:
                 self._inner_resolver = aiohttp.ThreadedResolver()
-            connector = aiohttp.TCPConnector(
+            connector = _AttemptMarkingConnector(
                 limit=self._pool_size,
                 limit_per_host=self._pool_size_per_host,
                 ttl_dns_cache=_DNS_CACHE_TTL_SECONDS,
@@ -538,16 +626,24 @@ class EgressSession:
                 socket_factory=_policy_socket_factory(self._policy),
                 ssl=True,
             )
-            tracing = aiohttp.TraceConfig()
-            tracing.on_connection_create_end.append(_on_connected)
-            tracing.on_connection_reuseconn.append(_on_connected)
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 cookie_jar=aiohttp.DummyCookieJar(),
                 trust_env=False,
-                trace_configs=[tracing],
             )
         return self._session
+
+    def _client_timeout(self, timeout: float) -> aiohttp.ClientTimeout:
+        """The (immutable, so shareable) ClientTimeout for a total of ``timeout`` seconds."""
+        client_timeout = self._client_timeouts.get(timeout)
+        if client_timeout is None:
+            if len(self._client_timeouts) >= _CLIENT_TIMEOUT_CACHE_SIZE:
+                self._client_timeouts.clear()
+            client_timeout = aiohttp.ClientTimeout(
+                total=timeout, connect=min(self._connect_timeout, timeout)
+            )
+            self._client_timeouts[timeout] = client_timeout
+        return client_timeout
 
     async def _request(
         self,
@@ -558,33 +654,19 @@ class EgressSession:
         headers: Mapping[str, str],
         timeout: float,
     ) -> EgressResponse:
-        if timeout <= 0:
+        if not timeout > 0:  # written so that NaN is refused too
             raise ValueError("timeout must be positive")
         started = time.perf_counter()
-
-        def elapsed_ms() -> float:
-            return (time.perf_counter() - started) * 1000
-
         try:
-            target = self._policy._checked_url(url)
+            target = self._checked_url(url)
+            request_headers = _headers_to_send(headers)
         except EgressError as exc:
-            exc.elapsed_ms = elapsed_ms()
+            exc.elapsed_ms = (time.perf_counter() - started) * 1000
             raise
 
-        request_headers = dict(headers)
-        for name, value in request_headers.items():
-            if not _HEADER_NAME.match(name) or _HEADER_VALUE_FORBIDDEN.search(value):
-                # A configuration problem like a bad URL: nothing can be sent.
-                raise EgressError(
-                    ErrorKind.INVALID_URL,
-                    f"request header {name!r} is not a valid HTTP header",
-                    elapsed_ms=elapsed_ms(),
-                )
-        if not any(name.lower() == "user-agent" for name in request_headers):
-            request_headers["User-Agent"] = USER_AGENT
-
-        attempt = _Attempt()
         session = self._ensure_session()
+        attempt = _Attempt()
+        attempt_token = _current_attempt.set(attempt)
         try:
             async with session.request(
                 method,
@@ -592,10 +674,7 @@ class EgressSession:
                 data=body,
                 headers=request_headers,
                 allow_redirects=False,
-                timeout=aiohttp.ClientTimeout(
-                    total=timeout, connect=min(self._connect_timeout, timeout)
-                ),
-                trace_request_ctx=attempt,
+                timeout=self._client_timeout(timeout),
             ) as response:
                 content, truncated = await _read_capped(response, self._max_response_bytes)
                 if truncated:
@@ -607,8 +686,11 @@ class EgressSession:
                     headers={name.lower(): value for name, value in response.headers.items()},
                     body=content,
                     truncated=truncated,
-                    elapsed_ms=elapsed_ms(),
+                    elapsed_ms=(time.perf_counter() - started) * 1000,
                 )
         except (aiohttp.ClientError, OSError) as exc:
             # OSError includes TimeoutError (asyncio's and aiohttp's) and ssl.SSLError.
-            raise _translate(exc, attempt, elapsed_ms()) from exc
+            elapsed_ms = (time.perf_counter() - started) * 1000
+            raise _translate(exc, attempt, elapsed_ms) from exc
+        finally:
+            _current_attempt.reset(attempt_token)

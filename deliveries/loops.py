@@ -97,19 +97,7 @@ def relay_tick(*, page_size: int | None = None, b=None) -> Tick:
     b = b or transport.broker()
     now = timezone.now()
     tick = Tick()
-    with transaction.atomic():
-        # Uses the partial index outbox_unpublished.
-        rows = list(
-            Outbox.objects.filter(published_at__isnull=True)
-            .filter(Q(claimed_until__isnull=True) | Q(claimed_until__lt=now))
-            .select_for_update(skip_locked=True)
-            .order_by("id")
-            .values_list("id", "ref_id", "dispatch", "priority", "kind")[:page_size]
-        )
-        if rows:
-            Outbox.objects.filter(id__in=[r[0] for r in rows]).update(
-                claimed_until=now + timedelta(seconds=RELAY_CLAIM_SECONDS)
-            )
+    rows = _claim_outbox(now, page_size)
     if not rows:
         tick.idle = not Outbox.objects.filter(published_at__isnull=True).exists()
         return tick
@@ -122,6 +110,36 @@ def relay_tick(*, page_size: int | None = None, b=None) -> Tick:
     tick.counts["published"] = len(rows)
     tick.busy = len(rows) >= page_size
     return tick
+
+
+_CLAIM_OUTBOX_SQL = """
+UPDATE deliveries_outbox SET claimed_until = %(until)s
+WHERE id IN (
+    SELECT id FROM deliveries_outbox
+    WHERE published_at IS NULL AND (claimed_until IS NULL OR claimed_until < %(now)s)
+    ORDER BY id LIMIT %(limit)s FOR UPDATE SKIP LOCKED
+)
+RETURNING id, ref_id, dispatch, priority, kind
+"""
+
+
+def _claim_outbox(now, page_size: int) -> list[tuple]:
+    """Claim a page of unpublished outbox rows for RELAY_CLAIM_SECONDS, oldest first.
+    Uses the partial index outbox_unpublished."""
+    until = now + timedelta(seconds=RELAY_CLAIM_SECONDS)
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(_CLAIM_OUTBOX_SQL, {"until": until, "now": now, "limit": page_size})
+            return sorted(cursor.fetchall())
+    with transaction.atomic():
+        rows = list(
+            Outbox.objects.filter(published_at__isnull=True)
+            .filter(Q(claimed_until__isnull=True) | Q(claimed_until__lt=now))
+            .order_by("id")
+            .values_list("id", "ref_id", "dispatch", "priority", "kind")[:page_size]
+        )
+        Outbox.objects.filter(id__in=[r[0] for r in rows]).update(claimed_until=until)
+    return rows
 
 
 # --- The loop ----------------------------------------------------------------------------

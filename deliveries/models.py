@@ -168,9 +168,17 @@ class Delivery(models.Model):
     ``Idempotency-Key`` on every copy sent."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    event = models.ForeignKey(Event, on_delete=models.CASCADE, related_name="deliveries")
-    endpoint = models.ForeignKey(Endpoint, on_delete=models.CASCADE, related_name="deliveries")
-    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="deliveries")
+    # No single-column indexes on these: the composite indexes below lead with them, and
+    # every index is rewritten on each state change (three per delivery).
+    event = models.ForeignKey(
+        Event, on_delete=models.CASCADE, related_name="deliveries", db_index=False
+    )
+    endpoint = models.ForeignKey(
+        Endpoint, on_delete=models.CASCADE, related_name="deliveries", db_index=False
+    )
+    tenant = models.ForeignKey(
+        Tenant, on_delete=models.CASCADE, related_name="deliveries", db_index=False
+    )
     state = models.CharField(
         max_length=16, choices=DeliveryState.choices, default=DeliveryState.PENDING
     )
@@ -247,7 +255,10 @@ class Attempt(models.Model):
     """One HTTP attempt, append-only: the evidence of what happened on the wire."""
 
     id = models.BigAutoField(primary_key=True)
-    delivery = models.ForeignKey(Delivery, on_delete=models.CASCADE, related_name="attempts")
+    # Indexed by attempt_delivery_number, which leads with it.
+    delivery = models.ForeignKey(
+        Delivery, on_delete=models.CASCADE, related_name="attempts", db_index=False
+    )
     number = models.PositiveIntegerField()
     started_at = models.DateTimeField()
     duration_ms = models.FloatField()

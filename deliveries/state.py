@@ -16,7 +16,7 @@ back with the result in a new short transaction.
 """
 
 import uuid
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -122,10 +122,22 @@ def admit_due(*, now: datetime, page_size: int, limits: Limits) -> AdmissionResu
             by_tenant[row["tenant_id"]] += row["n"]
             by_endpoint[row["endpoint_id"]] += row["n"]
         full_tenants = [t for t, n in by_tenant.items() if n >= limits.tenant_max_in_flight]
+        ceilings = dict(
+            Endpoint.objects.filter(
+                id__in=list(by_endpoint), max_concurrency__isnull=False
+            ).values_list("id", "max_concurrency")
+        )
+        full_endpoints = [
+            e
+            for e, n in by_endpoint.items()
+            if n >= ceilings.get(e, limits.endpoint_max_concurrency)
+        ]
 
         candidates = Delivery.objects.filter(state=PENDING, next_attempt_at__lte=now)
         if full_tenants:
             candidates = candidates.exclude(tenant_id__in=full_tenants)
+        if full_endpoints:
+            candidates = candidates.exclude(endpoint_id__in=full_endpoints)
         # Uses the partial index delivery_due. Scans past `free` so that rows of
         # endpoints at their ceiling do not use up the page.
         rows = list(
@@ -145,13 +157,13 @@ def admit_due(*, now: datetime, page_size: int, limits: Limits) -> AdmissionResu
         buckets = _rate_buckets(endpoints.values(), now)
 
         chosen: list[tuple[uuid.UUID, int]] = []
-        queues: dict = defaultdict(list)
+        queues: dict = defaultdict(deque)
         for row in rows:
             queues[row[1]].append(row)
         # Round-robin over tenants, each tenant's rows already in priority/age order.
         while queues and len(chosen) < free:
             for tenant_id in list(queues):
-                row = queues[tenant_id].pop(0)
+                row = queues[tenant_id].popleft()
                 if not queues[tenant_id]:
                     del queues[tenant_id]
                 delivery_id, _, endpoint_id, priority = row
@@ -176,31 +188,51 @@ def admit_due(*, now: datetime, page_size: int, limits: Limits) -> AdmissionResu
             _save_buckets(buckets)
             return result
 
-        ids = [c[0] for c in chosen]
         # The rows are locked by this transaction; the state guard is belt and braces.
-        Delivery.objects.filter(id__in=ids, state=PENDING).update(
-            state=ENQUEUED,
-            enqueued_at=now,
-            dispatch_count=F("dispatch_count") + 1,
-            updated_at=now,
-        )
-        dispatches = dict(Delivery.objects.filter(id__in=ids).values_list("id", "dispatch_count"))
-        Outbox.objects.bulk_create(
-            [
-                Outbox(
-                    message_key=message_key(delivery_id, dispatches[delivery_id]),
-                    kind=DELIVERY_KIND,
-                    ref_id=delivery_id,
-                    dispatch=dispatches[delivery_id],
-                    priority=priority,
-                    created_at=now,
-                )
-                for delivery_id, priority in chosen
-            ]
-        )
+        result.admitted = _enqueue([c[0] for c in chosen], now)
         _save_buckets(buckets)
-        result.admitted = len(chosen)
     return result
+
+
+# pending → enqueued and one outbox row per delivery, in one statement. The message key
+# is message_key(): the delivery id in hex, a colon, the dispatch number.
+_ENQUEUE_SQL = """
+WITH admitted AS (
+    UPDATE deliveries_delivery SET state = 'enqueued', enqueued_at = %(now)s,
+        dispatch_count = dispatch_count + 1, updated_at = %(now)s
+    WHERE id = ANY(%(ids)s::uuid[]) AND state = 'pending'
+    RETURNING id, dispatch_count, priority
+)
+INSERT INTO deliveries_outbox (message_key, kind, ref_id, dispatch, priority, created_at)
+SELECT replace(id::text, '-', '') || ':' || dispatch_count, 'delivery', id, dispatch_count,
+    priority, %(now)s
+FROM admitted
+"""
+
+
+def _enqueue(ids: list[uuid.UUID], now: datetime) -> int:
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(_ENQUEUE_SQL, {"ids": ids, "now": now})
+            return cursor.rowcount
+    Delivery.objects.filter(id__in=ids, state=PENDING).update(
+        state=ENQUEUED, enqueued_at=now, dispatch_count=F("dispatch_count") + 1, updated_at=now
+    )
+    rows = Delivery.objects.filter(id__in=ids).values_list("id", "dispatch_count", "priority")
+    Outbox.objects.bulk_create(
+        [
+            Outbox(
+                message_key=message_key(i, n),
+                kind=DELIVERY_KIND,
+                ref_id=i,
+                dispatch=n,
+                priority=p,
+                created_at=now,
+            )
+            for i, n, p in rows
+        ]
+    )
+    return len(rows)
 
 
 @dataclass
@@ -340,60 +372,113 @@ def lease(
     """
     if not messages:
         return [], 0
-    wanted = dict(messages)
     token = uuid.uuid4()
+    until = now + timedelta(seconds=lease_seconds)
+    if connection.vendor == "postgresql":
+        rows = _lease_postgres(messages, now=now, until=until, token=token)
+    else:
+        rows = _lease_portable(messages, now=now, until=until, token=token)
+    leased = [
+        Leased(
+            id=r[0],
+            event_id=r[1],
+            endpoint_id=r[2],
+            tenant_id=r[3],
+            event_type=r[4],
+            body=bytes(r[5]),
+            attempt_number=r[6],
+            policy_attempts=r[7],
+            lease_token=token,
+        )
+        for r in rows
+        if r[8]
+    ]
+    return leased, len(messages) - len(rows)
+
+
+# One statement: lock the wanted rows still enqueued at the message's dispatch (primary
+# key lookups), skip rows another worker holds, and lease them (or, for a disabled
+# endpoint, finish them) returning what sending needs, the event body included.
+_LEASE_SQL = """
+WITH wanted AS (SELECT * FROM unnest(%(ids)s::uuid[], %(dispatches)s::int[]) AS w(id, n)),
+locked AS (
+    SELECT d.id FROM deliveries_delivery d JOIN wanted ON wanted.id = d.id
+    WHERE d.state = 'enqueued' AND d.dispatch_count = wanted.n
+    FOR UPDATE OF d SKIP LOCKED
+)
+UPDATE deliveries_delivery d SET
+    state = CASE WHEN ep.enabled THEN 'leased' ELSE 'dead' END,
+    lease_until = CASE WHEN ep.enabled THEN %(until)s::timestamptz END,
+    lease_token = CASE WHEN ep.enabled THEN %(token)s::uuid END,
+    attempt_count = d.attempt_count + ep.enabled::int,
+    policy_attempts = d.policy_attempts + ep.enabled::int,
+    finished_at = CASE WHEN ep.enabled THEN NULL ELSE %(now)s::timestamptz END,
+    last_outcome = CASE WHEN ep.enabled THEN d.last_outcome ELSE 'endpoint_disabled' END,
+    last_error = CASE WHEN ep.enabled THEN d.last_error ELSE 'endpoint disabled' END,
+    updated_at = %(now)s
+FROM locked, deliveries_event e, deliveries_endpoint ep
+WHERE d.id = locked.id AND e.id = d.event_id AND ep.id = d.endpoint_id
+RETURNING d.id, d.event_id, d.endpoint_id, d.tenant_id, e.event_type, e.body,
+    d.attempt_count, d.policy_attempts, ep.enabled
+"""
+
+
+def _lease_postgres(messages, *, now, until, token) -> list[tuple]:
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(
+            _LEASE_SQL,
+            {
+                "ids": [m[0] for m in messages],
+                "dispatches": [m[1] for m in messages],
+                "until": until,
+                "token": token,
+                "now": now,
+            },
+        )
+        return cursor.fetchall()
+
+
+def _lease_portable(messages, *, now, until, token) -> list[tuple]:
+    """The same transition for SQLite (its IMMEDIATE transactions serialise writers)."""
+    wanted = dict(messages)
     with transaction.atomic():
-        rows = list(
-            Delivery.objects.filter(id__in=wanted, state=ENQUEUED)
-            .select_for_update(skip_locked=True, of=("self",))
-            .values_list(
+        rows = [
+            r
+            for r in Delivery.objects.filter(id__in=wanted, state=ENQUEUED).values_list(
+                "id", "dispatch_count", "endpoint__enabled"
+            )
+            if wanted.get(r[0]) == r[1]
+        ]
+        live = [r[0] for r in rows if r[2]]
+        disabled = [r[0] for r in rows if not r[2]]
+        Delivery.objects.filter(id__in=disabled, state=ENQUEUED).update(
+            state=DEAD,
+            finished_at=now,
+            last_outcome=Outcome.ENDPOINT_DISABLED,
+            last_error="endpoint disabled",
+            updated_at=now,
+        )
+        Delivery.objects.filter(id__in=live, state=ENQUEUED).update(
+            state=LEASED,
+            lease_until=until,
+            lease_token=token,
+            attempt_count=F("attempt_count") + 1,
+            policy_attempts=F("policy_attempts") + 1,
+            updated_at=now,
+        )
+        return [
+            (*r, True)
+            for r in Delivery.objects.filter(id__in=live).values_list(
                 "id",
-                "dispatch_count",
-                "endpoint__enabled",
-                "attempt_count",
-                "policy_attempts",
                 "event_id",
                 "endpoint_id",
                 "tenant_id",
                 "event__event_type",
                 "event__body",
+                "attempt_count",
+                "policy_attempts",
             )
-        )
-        rows = [r for r in rows if wanted.get(r[0]) == r[1]]
-        live = [r for r in rows if r[2]]
-        disabled = [r[0] for r in rows if not r[2]]
-        if disabled:
-            Delivery.objects.filter(id__in=disabled, state=ENQUEUED).update(
-                state=DEAD,
-                finished_at=now,
-                last_outcome=Outcome.ENDPOINT_DISABLED,
-                last_error="endpoint disabled",
-                updated_at=now,
-            )
-        if live:
-            Delivery.objects.filter(id__in=[r[0] for r in live], state=ENQUEUED).update(
-                state=LEASED,
-                lease_until=now + timedelta(seconds=lease_seconds),
-                lease_token=token,
-                attempt_count=F("attempt_count") + 1,
-                policy_attempts=F("policy_attempts") + 1,
-                updated_at=now,
-            )
-    leased = [
-        Leased(
-            id=r[0],
-            event_id=r[5],
-            endpoint_id=r[6],
-            tenant_id=r[7],
-            event_type=r[8],
-            body=bytes(r[9]),
-            attempt_number=r[3] + 1,
-            policy_attempts=r[4] + 1,
-            lease_token=token,
-        )
-        for r in live
-    ]
-    return leased, len(messages) - len(rows)
+        ] + [(d, None, None, None, "", b"", 0, 0, False) for d in disabled]
 
 
 # --- Workers: record (leased → succeeded | pending | dead) -----------------------------
@@ -432,106 +517,185 @@ def record(
 ) -> RecordSummary:
     """Append the attempts and apply their transitions, in one transaction.
 
-    Only the lease holder moves a delivery: rows are re-read under lock with the lease
-    token, and a result whose lease expired (and maybe went to another worker) is kept
-    as an attempt with ``recorded=False`` and changes nothing.
+    Only the lease holder moves a delivery: every UPDATE is guarded by the state and the
+    lease token, and a result whose lease expired (and maybe went to another worker) is
+    kept as an attempt with ``recorded=False`` and changes nothing.
     """
     summary = RecordSummary()
     if not results:
         return summary
+    successes = [r for r in results if r.classification.outcome == Outcome.SUCCESS]
+    failures = [r for r in results if r.classification.outcome != Outcome.SUCCESS]
     with transaction.atomic():
-        held = set(
-            Delivery.objects.filter(
-                id__in=[r.leased.id for r in results],
-                state=LEASED,
-                lease_token__in={r.leased.lease_token for r in results},
-            )
-            .select_for_update()
-            .values_list("id", "lease_token")
-        )
-        mine = [r for r in results if (r.leased.id, r.leased.lease_token) in held]
-        summary.stale = len(results) - len(mine)
-        Attempt.objects.bulk_create(
-            [
-                Attempt(
-                    delivery_id=r.leased.id,
-                    number=r.leased.attempt_number,
-                    started_at=r.started_at,
-                    duration_ms=r.duration_ms,
-                    status_code=r.status_code,
-                    outcome=r.classification.outcome,
-                    error_kind=r.error_kind,
-                    error=r.error[:500],
-                    ambiguous=r.classification.ambiguous,
-                    response_body=r.response_body,
-                    response_truncated=r.response_truncated,
-                    request_headers=r.request_headers,
-                    recorded=(r.leased.id, r.leased.lease_token) in held,
-                    worker=r.worker,
-                )
-                for r in results
-            ]
-        )
-        done = {
-            "lease_until": None,
-            "lease_token": None,
-            "last_attempt_at": now,
-            "updated_at": now,
-        }
-        # Successes, grouped by status code: usually one UPDATE for the whole batch.
-        by_status: dict[int, list[uuid.UUID]] = defaultdict(list)
-        failures = []
-        for r in mine:
-            if r.classification.outcome == Outcome.SUCCESS:
-                by_status[r.status_code].append(r.leased.id)
-            else:
-                failures.append(r)
-        for status, ids in by_status.items():
-            Delivery.objects.filter(id__in=ids, state=LEASED).update(
-                state=SUCCEEDED,
-                finished_at=now,
-                last_outcome=Outcome.SUCCESS,
-                last_status_code=status,
-                last_error="",
-                **done,
-            )
-            summary.succeeded += len(ids)
-        failing_endpoints: set[uuid.UUID] = set()
-        gone_endpoints: set[uuid.UUID] = set()
-        for r in failures:
-            outcome = r.classification.outcome
-            failing_endpoints.add(r.leased.endpoint_id)
-            fields = {
-                **done,
-                "last_outcome": outcome,
-                "last_status_code": r.status_code,
-                "last_error": r.error[:500],
-            }
-            delay = (
-                policy.next_delay(r.leased.policy_attempts, retry_after=r.retry_after)
-                if r.classification.retryable
-                else None
-            )
-            if delay is not None:
-                fields.update(state=PENDING, next_attempt_at=now + timedelta(seconds=delay))
-                summary.retrying += 1
-            else:
-                fields.update(state=DEAD, finished_at=now)
-                summary.dead += 1
-                if outcome == Outcome.ENDPOINT_GONE:
-                    gone_endpoints.add(r.leased.endpoint_id)
-            Delivery.objects.filter(id=r.leased.id, state=LEASED).update(**fields)
-
-        succeeded_endpoints = {
-            r.leased.endpoint_id for r in mine if r.classification.outcome == Outcome.SUCCESS
-        }
+        held = _finish_successes(successes, now) if successes else set()
+        summary.succeeded = len(held)
+        failure_held, failing, gone = _finish_failures(failures, now, policy, summary)
+        held |= failure_held
+        summary.stale = len(results) - len(held)
+        _append_attempts(results, held)
+        succeeded_endpoints = {r.leased.endpoint_id for r in successes if r.leased.id in held}
         summary.disabled_endpoints = _update_endpoint_health(
             now=now,
             succeeded=succeeded_endpoints,
-            failed=failing_endpoints - succeeded_endpoints,
-            gone=gone_endpoints,
+            failed=failing - succeeded_endpoints,
+            gone=gone,
         )
     return summary
+
+
+_DONE = {"lease_until": None, "lease_token": None}
+
+# Successes of a batch in one statement; RETURNING names the rows whose lease was held.
+_SUCCEED_SQL = """
+UPDATE deliveries_delivery d SET state = 'succeeded', finished_at = %(now)s,
+    last_outcome = 'success', last_status_code = v.status, last_error = '',
+    lease_until = NULL, lease_token = NULL, last_attempt_at = %(now)s, updated_at = %(now)s
+FROM unnest(%(ids)s::uuid[], %(tokens)s::uuid[], %(statuses)s::int[]) AS v(id, token, status)
+WHERE d.id = v.id AND d.state = 'leased' AND d.lease_token = v.token
+RETURNING d.id
+"""
+
+
+def _finish_successes(successes: Sequence[AttemptResult], now: datetime) -> set[uuid.UUID]:
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(
+                _SUCCEED_SQL,
+                {
+                    "now": now,
+                    "ids": [r.leased.id for r in successes],
+                    "tokens": [r.leased.lease_token for r in successes],
+                    "statuses": [r.status_code for r in successes],
+                },
+            )
+            return {row[0] for row in cursor.fetchall()}
+    held = _held(successes)
+    by_status: dict[int, list[uuid.UUID]] = defaultdict(list)
+    for r in successes:
+        if r.leased.id in held:
+            by_status[r.status_code].append(r.leased.id)
+    for status, ids in by_status.items():
+        Delivery.objects.filter(id__in=ids, state=LEASED).update(
+            state=SUCCEEDED,
+            finished_at=now,
+            last_outcome=Outcome.SUCCESS,
+            last_status_code=status,
+            last_error="",
+            last_attempt_at=now,
+            updated_at=now,
+            **_DONE,
+        )
+    return held
+
+
+def _held(results: Sequence[AttemptResult]) -> set[uuid.UUID]:
+    """The deliveries among ``results`` whose lease the recording worker still holds,
+    locked until the transaction ends."""
+    pairs = set(
+        Delivery.objects.filter(
+            id__in=[r.leased.id for r in results],
+            state=LEASED,
+            lease_token__in={r.leased.lease_token for r in results},
+        )
+        .select_for_update()
+        .values_list("id", "lease_token")
+    )
+    return {r.leased.id for r in results if (r.leased.id, r.leased.lease_token) in pairs}
+
+
+def _finish_failures(failures, now, policy, summary) -> tuple[set, set, set]:
+    """Retry (pending at the next step) or dead, one guarded UPDATE each: failures are
+    the exception, and each has its own next attempt time."""
+    if not failures:
+        return set(), set(), set()
+    held = _held(failures)
+    failing: set[uuid.UUID] = set()
+    gone: set[uuid.UUID] = set()
+    for r in failures:
+        if r.leased.id not in held:
+            continue
+        outcome = r.classification.outcome
+        failing.add(r.leased.endpoint_id)
+        fields = {
+            **_DONE,
+            "last_attempt_at": now,
+            "updated_at": now,
+            "last_outcome": outcome,
+            "last_status_code": r.status_code,
+            "last_error": r.error[:500],
+        }
+        delay = (
+            policy.next_delay(r.leased.policy_attempts, retry_after=r.retry_after)
+            if r.classification.retryable
+            else None
+        )
+        if delay is not None:
+            fields.update(state=PENDING, next_attempt_at=now + timedelta(seconds=delay))
+            summary.retrying += 1
+        else:
+            fields.update(state=DEAD, finished_at=now)
+            summary.dead += 1
+            if outcome == Outcome.ENDPOINT_GONE:
+                gone.add(r.leased.endpoint_id)
+        Delivery.objects.filter(id=r.leased.id, state=LEASED).update(**fields)
+    return held, failing, gone
+
+
+_ATTEMPT_COLUMNS = (
+    "delivery_id",
+    "number",
+    "started_at",
+    "duration_ms",
+    "status_code",
+    "outcome",
+    "error_kind",
+    "error",
+    "ambiguous",
+    "response_body",
+    "response_truncated",
+    "request_headers",
+    "recorded",
+    "worker",
+)
+
+
+def _attempt_row(r: AttemptResult, held: set) -> tuple:
+    return (
+        r.leased.id,
+        r.leased.attempt_number,
+        r.started_at,
+        r.duration_ms,
+        r.status_code,
+        str(r.classification.outcome),
+        r.error_kind,
+        r.error[:500],
+        r.classification.ambiguous,
+        r.response_body,
+        r.response_truncated,
+        r.request_headers,
+        r.leased.id in held,
+        r.worker,
+    )
+
+
+def _append_attempts(results: Sequence[AttemptResult], held: set) -> None:
+    """The attempt rows: COPY on PostgreSQL (the cheapest bulk insert), else the ORM."""
+    rows = [_attempt_row(r, held) for r in results]
+    if connection.vendor == "postgresql":
+        from psycopg.types.json import Jsonb
+
+        with (
+            connection.cursor() as cursor,
+            cursor.cursor.copy(
+                f"COPY deliveries_attempt ({', '.join(_ATTEMPT_COLUMNS)}) FROM STDIN"
+            ) as copy,
+        ):
+            for row in rows:
+                copy.write_row((*row[:11], Jsonb(row[11]), *row[12:]))
+        return
+    Attempt.objects.bulk_create(
+        [Attempt(**dict(zip(_ATTEMPT_COLUMNS, row, strict=True))) for row in rows]
+    )
 
 
 def _update_endpoint_health(

@@ -218,12 +218,11 @@ class Worker:
             ),
             "idempotency-key": msg_id,
         }
-        # Custom header values may be credentials: the attempt log keeps only their names.
-        logged_headers = {
-            k: ("[redacted]" if k in target.headers else v)
-            for k, v in headers.items()
-            if k != "webhook-signature"
-        }
+        # The attempt log keeps what varies per attempt: the timestamp signed, and the
+        # names of custom headers (their values may be credentials). The rest is fixed by
+        # the protocol (webhook-id and Idempotency-Key are the delivery id).
+        logged_headers = {"webhook-timestamp": str(timestamp)}
+        logged_headers.update(dict.fromkeys(target.headers, "[redacted]"))
         started = datetime.now(UTC)
         async with self.in_flight:
             try:

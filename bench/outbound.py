@@ -1,0 +1,819 @@
+"""Outbound throughput: the whole delivery pipeline against a bare aiohttp POST loop.
+
+One run (``make bench``, or ``python bench/outbound.py --events 20000 --repeat 3``):
+
+1. A dedicated PostgreSQL database (``webhooks_bench`` next to the one in
+   ``DATABASE_URL``), created if missing and migrated.
+2. One receiver process (``bench/receiver.py``) on 127.0.0.1; both measurements below
+   post to it.
+3. ``--repeat`` times, alternating:
+
+   * **bare**: ``--events`` POSTs of the same 1 KiB JSON body from one aiohttp
+     ``ClientSession`` (keep-alive), ``--concurrency`` requests in flight;
+   * **service**: truncate the delivery tables, publish ``--events`` events to one
+     endpoint with ``deliveries.services.publish_event`` (transactions of 1000; timed on
+     its own as the publish rate), then start the real ``run_scheduler``, ``run_relay``
+     and ``run_workers`` processes and time from their start until every delivery is
+     ``succeeded``. The receiver must have seen every delivery id; failing that, the run
+     fails loudly.
+
+4. Medians, their ratio (service / bare), CPU seconds spent by each process (and by the
+   PostgreSQL backends of each, by ``application_name``) go to
+   ``bench/results/outbound.json`` and a Markdown table on stdout.
+
+The pipeline's settings are the product's defaults unless given: ``--workers``,
+``--lanes``, ``--batch-size``, ``--worker-concurrency``, and ``--env NAME=VALUE`` for any
+setting read from the environment (``SCHEDULER_PAGE_SIZE``, ``RELAY_INTERVAL``, ...).
+``--py-spy DIR`` records a py-spy profile of every pipeline process during the last
+service run (``pip install py-spy``).
+"""
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+PUBLISH_BATCH = 1000
+BODY_SIZE = 1024
+POLL_SECONDS = 0.2
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+# Every table the deliveries app writes; emptied before each service run.
+DELIVERY_TABLES = (
+    "deliveries_attempt",
+    "deliveries_outbox",
+    "deliveries_queuemessage",
+    "deliveries_delivery",
+    "deliveries_event",
+    "deliveries_endpointthrottle",
+    "deliveries_endpointsecret",
+    "deliveries_endpoint",
+    "deliveries_apikey",
+    "deliveries_entitylock",
+    "deliveries_looprun",
+    "deliveries_tenant",
+)
+
+
+class BenchError(RuntimeError):
+    """A run that did not do what it must (lost or failed deliveries, a dead child, a
+    timeout): the figures would be meaningless, so the benchmark stops."""
+
+
+# --- Processes -----------------------------------------------------------------------
+
+_children: list[subprocess.Popen] = []
+
+
+def _die_with_parent() -> None:
+    # Linux: the child gets SIGTERM if the benchmark itself is killed (even with -9).
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def spawn(argv: list[str], *, env: dict, log: Path | None = None, **kw) -> subprocess.Popen:
+    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 - closed by stop()
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env=env,
+        stdout=kw.pop("stdout", out),
+        stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
+        preexec_fn=_die_with_parent,
+        start_new_session=True,
+        **kw,
+    )
+    proc._bench_log = out  # type: ignore[attr-defined]
+    _children.append(proc)
+    return proc
+
+
+def stop(procs: list[subprocess.Popen], *, grace: float = 15.0) -> None:
+    """SIGTERM (the loops finish their unit of work), then SIGKILL after ``grace``."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            p.wait()
+        log = getattr(p, "_bench_log", None)
+        if log not in (None, subprocess.DEVNULL):
+            log.close()
+        if p in _children:
+            _children.remove(p)
+
+
+def stop_all(*_args) -> None:
+    stop(list(_children), grace=5.0)
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of a process (all its threads); 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) jiffies over all cores since boot."""
+    with open("/proc/stat") as f:
+        parts = [int(x) for x in f.readline().split()[1:]]
+    idle = parts[3] + parts[4]
+    return sum(parts) - idle, sum(parts)
+
+
+def postgres_cpu_seconds() -> float:
+    """CPU of every PostgreSQL server process on the machine (backends, WAL writer,
+    checkpointer, autovacuum; other databases' too, so run on a quiet machine)."""
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/comm") as f:
+                if not f.read().startswith("postgres"):
+                    continue
+        except OSError:
+            continue
+        total += proc_cpu_seconds(int(entry))
+    return total
+
+
+# --- Database ------------------------------------------------------------------------
+
+
+def with_db(url: str, name: str, application_name: str | None = None) -> str:
+    parts = urlsplit(url)
+    query = f"application_name={application_name}" if application_name else ""
+    return urlunsplit((parts.scheme, parts.netloc, "/" + name, query, ""))
+
+
+def ensure_database(base_url: str, name: str) -> None:
+    import psycopg
+
+    conninfo = urlunsplit(urlsplit(base_url)._replace(query="", fragment=""))
+    try:
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone():
+                return
+            owner = urlsplit(base_url).username or "webhooks"
+            conn.execute(f'CREATE DATABASE "{name}" OWNER "{owner}"')
+            return
+    except psycopg.Error as exc:
+        first_error = exc
+    # The service role may lack CREATEDB; the local superuser trusts local connections.
+    parts = urlsplit(base_url)
+    host, port = parts.hostname or "127.0.0.1", str(parts.port or 5432)
+    create = f'CREATE DATABASE "{name}" OWNER "{parts.username or "webhooks"}"'
+    psql = ["psql", "-X", "-q", "-h", host, "-p", port, "-U", "postgres", "-d", "postgres"]
+    done = subprocess.run(
+        [*psql, "-c", create],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise BenchError(f"cannot create database {name}: {first_error}; {done.stderr.strip()}")
+
+
+def migrate(env: dict) -> None:
+    done = subprocess.run(
+        [sys.executable, "manage.py", "migrate", "--noinput"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise BenchError(f"migrate failed:\n{done.stdout}\n{done.stderr}")
+
+
+def setup_django(db_url: str) -> None:
+    os.environ["DATABASE_URL"] = db_url
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
+    os.environ["EGRESS_ALLOW_NETWORKS"] = "127.0.0.0/8"
+    os.environ["LOG_LEVEL"] = "WARNING"
+    sys.path.insert(0, str(ROOT))
+    import django
+
+    django.setup()
+
+
+def sql(query: str, params: list | None = None) -> list[tuple]:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(query, params or [])
+        return cursor.fetchall() if cursor.description else []
+
+
+def truncate() -> None:
+    sql(f"TRUNCATE {', '.join(DELIVERY_TABLES)} RESTART IDENTITY CASCADE")
+
+
+# --- Payloads ------------------------------------------------------------------------
+
+
+def payload(seq: int) -> dict:
+    """A JSON payload that ``encode_payload`` turns into exactly BODY_SIZE bytes."""
+    from deliveries.services import encode_payload
+
+    base = {"type": "bench.event", "seq": seq, "data": ""}
+    pad = BODY_SIZE - len(encode_payload(base))
+    base["data"] = "x" * pad
+    assert len(encode_payload(base)) == BODY_SIZE
+    return base
+
+
+# --- Receiver ------------------------------------------------------------------------
+
+
+@dataclass
+class Receiver:
+    proc: subprocess.Popen
+    port: int
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def counts(self) -> dict:
+        with urllib.request.urlopen(self.url("/count"), timeout=10) as r:  # noqa: S310
+            return json.loads(r.read())
+
+    def reset(self) -> None:
+        req = urllib.request.Request(self.url("/reset"), method="POST", data=b"")  # noqa: S310
+        with urllib.request.urlopen(req, timeout=10) as r:  # noqa: S310
+            r.read()
+
+    def cpu(self) -> float:
+        return proc_cpu_seconds(self.proc.pid)
+
+
+def start_receiver(cpu: int | None) -> Receiver:
+    argv = [sys.executable, str(ROOT / "bench" / "receiver.py"), "--port", "0"]
+    if cpu is not None:
+        argv += ["--cpu", str(cpu)]
+    proc = spawn(argv, env=dict(os.environ), stdout=subprocess.PIPE)
+    line = proc.stdout.readline().decode().strip()
+    if not line.startswith("listening "):
+        raise BenchError(f"receiver did not start: {line!r}")
+    return Receiver(proc, int(line.split()[1]))
+
+
+# --- Bare loop -----------------------------------------------------------------------
+
+
+async def _bare(url: str, body: bytes, n: int, concurrency: int) -> dict:
+    import aiohttp
+
+    statuses: dict[int, int] = {}
+    remaining = n
+
+    async def one_sender(session: aiohttp.ClientSession) -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            async with session.post(
+                url, data=body, headers={"content-type": "application/json"}
+            ) as response:
+                await response.read()
+                statuses[response.status] = statuses.get(response.status, 0) + 1
+
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        started = time.perf_counter()
+        await asyncio.gather(*(one_sender(session) for _ in range(concurrency)))
+        seconds = time.perf_counter() - started
+    return {"seconds": seconds, "statuses": statuses}
+
+
+def run_bare(receiver: Receiver, n: int, concurrency: int) -> dict:
+    from deliveries.services import encode_payload
+
+    body = encode_payload(payload(0))
+    receiver.reset()
+    cpu_self, cpu_recv = proc_cpu_seconds(os.getpid()), receiver.cpu()
+    busy0, total0 = machine_cpu()
+    out = asyncio.run(_bare(receiver.url("/bare"), body, n, concurrency))
+    busy1, total1 = machine_cpu()
+    client = proc_cpu_seconds(os.getpid()) - cpu_self
+    receiver_cpu = receiver.cpu() - cpu_recv
+    counts = receiver.counts()
+    if out["statuses"] != {200: n} or counts["requests"] != n:
+        raise BenchError(f"bare loop: statuses {out['statuses']}, receiver counted {counts}")
+    return {
+        "seconds": round(out["seconds"], 3),
+        "per_second": round(n / out["seconds"], 1),
+        "receiver_requests": counts["requests"],
+        "cpu_seconds": {"client": round(client, 2), "receiver": round(receiver_cpu, 2)},
+        "machine_cpu_busy": round((busy1 - busy0) / max(1, total1 - total0), 3),
+        "other_cpu_seconds": _other_cpu(busy1 - busy0, [client, receiver_cpu]),
+    }
+
+
+def _other_cpu(busy_jiffies: int, ours: list[float]) -> float:
+    """Machine CPU seconds not spent by the measured processes: kernel work on their
+    behalf, but also anything else running (another test suite skews the figures)."""
+    return round(busy_jiffies / CLK_TCK - sum(ours), 2)
+
+
+# --- Service -------------------------------------------------------------------------
+
+
+@dataclass
+class Pipeline:
+    workers: int
+    lanes: int
+    batch_size: int | None
+    worker_concurrency: int | None
+    env: dict = field(default_factory=dict)
+
+    def commands(self) -> list[tuple[str, list[str]]]:
+        manage = [sys.executable, "manage.py"]
+        out = [("scheduler", [*manage, "run_scheduler"]), ("relay", [*manage, "run_relay"])]
+        worker = [*manage, "run_workers", "--lanes", str(self.lanes)]
+        if self.batch_size:
+            worker += ["--batch-size", str(self.batch_size)]
+        if self.worker_concurrency:
+            worker += ["--concurrency", str(self.worker_concurrency)]
+        out += [(f"workers{i}", worker) for i in range(self.workers)]
+        return out
+
+
+def publish(n: int, url: str) -> dict:
+    from django.db import transaction
+
+    from deliveries.models import Tenant
+    from deliveries.services import endpoint_create, publish_event
+
+    tenant = Tenant.objects.create(name="bench")
+    endpoint_create(tenant=tenant, url=url)
+    bodies = [payload(i) for i in range(n)]
+    started = time.perf_counter()
+    for start in range(0, n, PUBLISH_BATCH):
+        with transaction.atomic():
+            for i in range(start, min(n, start + PUBLISH_BATCH)):
+                publish_event(tenant=tenant, event_type="bench.event", payload=bodies[i])
+    seconds = time.perf_counter() - started
+    analyze()
+    return {"seconds": round(seconds, 3), "per_second": round(n / seconds, 1)}
+
+
+def analyze() -> None:
+    # A steady-state table has statistics; a freshly truncated one does not. Without
+    # this, the first plans of the run are made for an empty table.
+    sql("ANALYZE deliveries_delivery, deliveries_event, deliveries_endpoint")
+
+
+# The rows publishing wrote, copied aside so that later repeats start from the very same
+# state without paying for publishing again (unless --publish-every-run).
+SNAPSHOT_TABLES = (
+    "deliveries_tenant",
+    "deliveries_endpoint",
+    "deliveries_endpointsecret",
+    "deliveries_event",
+    "deliveries_delivery",
+)
+
+
+def snapshot_save() -> None:
+    for table in SNAPSHOT_TABLES:
+        sql(f"DROP TABLE IF EXISTS bench_snapshot_{table}")
+        sql(f"CREATE TABLE bench_snapshot_{table} AS SELECT * FROM {table}")
+
+
+def snapshot_restore(url: str) -> None:
+    truncate()
+    for table in SNAPSHOT_TABLES:
+        sql(f"INSERT INTO {table} SELECT * FROM bench_snapshot_{table}")
+    sql("UPDATE deliveries_endpoint SET url = %s", [url])
+    analyze()
+
+
+def snapshot_events() -> int:
+    """Deliveries in the saved snapshot (0: none saved)."""
+    if not sql("SELECT to_regclass('bench_snapshot_deliveries_delivery')")[0][0]:
+        return 0
+    return sql("SELECT count(*) FROM bench_snapshot_deliveries_delivery")[0][0]
+
+
+def backend_cpu_by_app(db_name: str) -> dict[str, float]:
+    """CPU seconds of this database's live backends, summed by application_name."""
+    out: dict[str, float] = {}
+    for pid, app in sql(
+        "SELECT pid, application_name FROM pg_stat_activity WHERE datname = %s", [db_name]
+    ):
+        out[app or "?"] = out.get(app or "?", 0.0) + proc_cpu_seconds(pid)
+    return out
+
+
+def run_service(
+    receiver: Receiver,
+    n: int,
+    pipeline: Pipeline,
+    *,
+    db_name: str,
+    base_url: str,
+    timeout: float,
+    logs: Path,
+    py_spy: Path | None,
+    py_spy_mode: str = "gil",
+    fresh_publish: bool = True,
+) -> dict:
+    if fresh_publish:
+        truncate()
+        pub = publish(n, receiver.url("/hook"))
+        snapshot_save()
+    else:
+        snapshot_restore(receiver.url("/hook"))
+        pub = {"seconds": None, "per_second": None}
+    receiver.reset()
+    bench_app_cpu = backend_cpu_by_app(db_name)
+    procs: list[tuple[str, subprocess.Popen]] = []
+    spies: list[subprocess.Popen] = []
+    timeline: list[tuple[float, dict]] = []
+    cpu_recv, cpu_self = receiver.cpu(), proc_cpu_seconds(os.getpid())
+    pg0 = postgres_cpu_seconds()
+    busy0, total0 = machine_cpu()
+    started = time.perf_counter()
+    try:
+        for role, argv in pipeline.commands():
+            env = {
+                **os.environ,
+                **pipeline.env,
+                "DATABASE_URL": with_db(base_url, db_name, f"bench-{role}"),
+                "EGRESS_ALLOW_NETWORKS": "127.0.0.0/8",
+                "LOG_LEVEL": "WARNING",
+            }
+            procs.append((role, spawn(argv, env=env, log=logs / f"{role}.log")))
+        if py_spy:
+            spies = [
+                spawn(
+                    [shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")]
+                    + ["record", "--nonblocking", "--threads", "--format", "raw"]
+                    + _PY_SPY_MODES[py_spy_mode]
+                    + ["-r", "200", "-o", str(py_spy / f"{role}.txt"), "--pid", str(p.pid)],
+                    env=dict(os.environ),
+                    log=logs / f"py-spy-{role}.log",
+                )
+                for role, p in procs
+            ]
+        first_success = None
+        deadline = started + timeout
+        while True:
+            time.sleep(POLL_SECONDS)
+            now = time.perf_counter() - started
+            states = dict(sql("SELECT state, count(*) FROM deliveries_delivery GROUP BY state"))
+            timeline.append((round(now, 2), states))
+            done = states.get("succeeded", 0)
+            if done and first_success is None:
+                first_success = now
+            if done >= n:
+                break
+            if states.get("dead"):
+                raise BenchError(f"{states['dead']} deliveries went dead: {states}")
+            for role, p in procs:
+                if p.poll() is not None:
+                    raise BenchError(f"{role} exited with {p.returncode} mid-run: {states}")
+            if time.perf_counter() > deadline:
+                raise BenchError(f"not drained after {timeout:.0f} s: {states}")
+        seconds = time.perf_counter() - started
+        busy1, total1 = machine_cpu()
+        cpu = {role: round(proc_cpu_seconds(p.pid), 2) for role, p in procs}
+        backend = backend_cpu_by_app(db_name)
+        backend = {
+            app: round(s - bench_app_cpu.get(app, 0.0), 2) for app, s in sorted(backend.items())
+        }
+        pg = postgres_cpu_seconds() - pg0
+        recv_cpu = receiver.cpu() - cpu_recv
+        cpu["bench_poller"] = round(proc_cpu_seconds(os.getpid()) - cpu_self, 2)
+    finally:
+        stop([p for _, p in procs])
+        stop(spies, grace=30)
+    outputs = {role: (logs / f"{role}.log").read_text()[-2000:].strip() for role, _ in procs}
+
+    counts = receiver.counts()
+    succeeded = sql("SELECT count(*) FROM deliveries_delivery WHERE state = 'succeeded'")[0][0]
+    attempts = sql("SELECT count(*) FROM deliveries_attempt")[0][0]
+    if succeeded != n or counts["distinct_webhook_ids"] < n or counts["requests"] < n:
+        raise BenchError(f"service: {succeeded} of {n} succeeded; receiver counted {counts}")
+    steady = None
+    if first_success is not None and seconds > first_success:
+        steady = round(n / (seconds - first_success), 1)
+    return {
+        "seconds": round(seconds, 3),
+        "per_second": round(n / seconds, 1),
+        "first_success_after": round(first_success or 0.0, 2),
+        "per_second_after_first_success": steady,
+        "publish_seconds": pub["seconds"],
+        "publish_per_second": pub["per_second"],
+        "receiver_requests": counts["requests"],
+        "duplicates": counts["requests"] - n,
+        "attempts": attempts,
+        "cpu_seconds": {
+            **cpu,
+            "receiver": round(recv_cpu, 2),
+            # Backends of this run's processes, by application_name (exact), and every
+            # PostgreSQL process on the machine (with the WAL writer, the checkpointer,
+            # autovacuum, and other databases' backends: inexact on a shared server).
+            "postgres_by_app": backend,
+            "postgres_backends": round(sum(backend.values()), 2),
+            "postgres_all": round(pg, 2),
+        },
+        "machine_cpu_busy": round((busy1 - busy0) / max(1, total1 - total0), 3),
+        "other_cpu_seconds": _other_cpu(
+            busy1 - busy0, [*cpu.values(), recv_cpu, sum(backend.values())]
+        ),
+        "process_output": {
+            role: text.splitlines()[-1] if text else "" for role, text in outputs.items()
+        },
+        "timeline": _thin(timeline, 40),
+    }
+
+
+# py-spy sampling: "gil" samples the thread holding the GIL (where a GIL-bound process
+# spends its Python CPU), "cpu" every thread that is not idle, "wall" every thread.
+_PY_SPY_MODES = {"gil": ["--gil"], "cpu": [], "wall": ["--idle"]}
+
+
+def _thin(timeline: list, keep: int) -> list:
+    if len(timeline) <= keep:
+        return timeline
+    step = len(timeline) / keep
+    picked = [timeline[int(i * step)] for i in range(keep)]
+    return [*picked, timeline[-1]]
+
+
+# --- Report --------------------------------------------------------------------------
+
+
+def versions(db_name: str) -> dict:
+    import aiohttp
+    import django
+    import psycopg
+
+    return {
+        "python": platform.python_version(),
+        "django": django.get_version(),
+        "aiohttp": aiohttp.__version__,
+        "psycopg": psycopg.__version__,
+        "postgres": sql("SHOW server_version")[0][0],
+        "postgres_settings": dict(
+            sql(
+                "SELECT name, setting FROM pg_settings WHERE name IN ('shared_buffers', "
+                "'synchronous_commit', 'fsync', 'max_connections', 'work_mem')"
+            )
+        ),
+        "database": db_name,
+    }
+
+
+def foreign_share(run: dict, cpus: int) -> float:
+    """Share of the machine's CPU that the measured processes did not use during a run:
+    kernel work on their behalf plus anything else running (another test suite)."""
+    return max(0.0, run["other_cpu_seconds"]) / (run["seconds"] * cpus)
+
+
+def markdown(result: dict) -> str:
+    cpus = result["cpu_count"]
+    rows = [
+        "| run | bare req/s | service deliveries/s | ratio | service after 1st success/s "
+        "| publish events/s | other CPU bare / service |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for i, (b, s) in enumerate(zip(result["bare"], result["service"], strict=False), 1):
+        rows.append(
+            f"| {i} | {b['per_second']:,.0f} | {s['per_second']:,.0f} | "
+            f"{s['per_second'] / b['per_second']:.2f} | "
+            f"{s['per_second_after_first_success'] or 0:,.0f} | "
+            + (f"{s['publish_per_second']:,.0f} | " if s["publish_per_second"] else "(restored) | ")
+            + f"{foreign_share(b, cpus):.0%} / {foreign_share(s, cpus):.0%} |"
+        )
+    m = result["median"]
+    rows.append(
+        f"| **median** | **{m['bare_per_second']:,.0f}** | **{m['service_per_second']:,.0f}** | "
+        f"**{m['ratio']:.2f}** (pairs: {m['ratio_of_pairs']:.2f}) | "
+        f"{m['service_per_second_after_first_success']:,.0f} | "
+        + (f"{m['publish_per_second']:,.0f} | |" if m["publish_per_second"] else "(reused) | |")
+    )
+    verdict = "meets" if result["meets_target"] else "DOES NOT meet"
+    rows.append("")
+    rows.append(
+        f"N = {result['events']:,} events, {cpus} CPUs; target ratio >= "
+        f"{result['target_ratio']} with N >= {result['target_events']:,}: {verdict}."
+    )
+    busy = [foreign_share(r, cpus) for r in result["bare"] + result["service"]]
+    if max(busy) > 0.1:
+        rows.append(
+            f"Warning: up to {max(busy):.0%} of the machine's CPU went to other processes "
+            "during the runs; the figures are skewed, rerun on a quiet machine."
+        )
+    return "\n".join(rows)
+
+
+def parse_env(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--env wants NAME=VALUE, got {item!r}")
+        out[name] = value
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=20_000, help="N (default 20,000)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each; medians reported")
+    parser.add_argument(
+        "--concurrency", type=int, default=256, help="bare loop: requests in flight"
+    )
+    parser.add_argument("--workers", type=int, default=1, help="run_workers processes")
+    parser.add_argument("--lanes", type=int, default=4, help="run_workers --lanes")
+    parser.add_argument("--batch-size", type=int, default=None, help="run_workers --batch-size")
+    parser.add_argument("--worker-concurrency", type=int, default=None)
+    parser.add_argument(
+        "--env", action="append", default=[], metavar="NAME=VALUE", help="setting for the pipeline"
+    )
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per drain")
+    parser.add_argument("--db-name", default="webhooks_bench")
+    parser.add_argument("--receiver-cpu", type=int, default=None, help="pin the receiver")
+    parser.add_argument("--only", choices=("bare", "service"), default=None)
+    parser.add_argument("--output", type=Path, default=RESULTS / "outbound.json")
+    parser.add_argument(
+        "--py-spy",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="record py-spy profiles (raw collapsed stacks) of the last service run here",
+    )
+    parser.add_argument("--py-spy-mode", choices=sorted(_PY_SPY_MODES), default="gil")
+    parser.add_argument(
+        "--publish-every-run",
+        action="store_true",
+        help="publish anew before every service run (default: publish once, then restore "
+        "the published rows from a copy)",
+    )
+    parser.add_argument(
+        "--reuse-published",
+        action="store_true",
+        help="start from the rows an earlier invocation published (same --events), if any: "
+        "for iterating on pipeline settings",
+    )
+    args = parser.parse_args(argv)
+
+    base_url = (
+        os.environ.get("DATABASE_URL")
+        or subprocess.run(
+            [str(ROOT / "scripts" / "ensure_postgres.sh")],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+    db_url = with_db(base_url, args.db_name, "bench-ctl")
+    pipeline = Pipeline(
+        workers=args.workers,
+        lanes=args.lanes,
+        batch_size=args.batch_size,
+        worker_concurrency=args.worker_concurrency,
+        env=parse_env(args.env),
+    )
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    logs = Path(tempfile.mkdtemp(prefix="bench-outbound-"))
+    if args.py_spy:
+        args.py_spy.mkdir(parents=True, exist_ok=True)
+
+    ensure_database(base_url, args.db_name)
+    child_env = {**os.environ, "DATABASE_URL": db_url}
+    migrate(child_env)
+    setup_django(db_url)
+    receiver = start_receiver(args.receiver_cpu)
+    result: dict = {
+        "benchmark": "outbound",
+        "events": args.events,
+        "body_bytes": BODY_SIZE,
+        "repeat": args.repeat,
+        "cpu_count": os.cpu_count(),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "versions": versions(args.db_name),
+        "bare_concurrency": args.concurrency,
+        "pipeline": {
+            "workers": pipeline.workers,
+            "lanes": pipeline.lanes,
+            "batch_size": pipeline.batch_size,
+            "worker_concurrency": pipeline.worker_concurrency,
+            "env": pipeline.env,
+        },
+        "target_ratio": 0.5,
+        "target_events": 20_000,
+        "bare": [],
+        "service": [],
+    }
+    reuse = args.reuse_published and snapshot_events() == args.events
+    result["publish_reused_from_earlier_invocation"] = reuse
+    try:
+        for i in range(args.repeat):
+            if args.only != "service":
+                bare = run_bare(receiver, args.events, args.concurrency)
+                result["bare"].append(bare)
+                print(f"[{i + 1}/{args.repeat}] bare: {bare['per_second']:,.0f} req/s", flush=True)
+            if args.only != "bare":
+                service = run_service(
+                    receiver,
+                    args.events,
+                    pipeline,
+                    db_name=args.db_name,
+                    base_url=base_url,
+                    timeout=args.timeout,
+                    logs=logs,
+                    py_spy=args.py_spy if i == args.repeat - 1 else None,
+                    py_spy_mode=args.py_spy_mode,
+                    fresh_publish=args.publish_every_run or (i == 0 and not reuse),
+                )
+                result["service"].append(service)
+                published = service["publish_per_second"]
+                print(
+                    f"[{i + 1}/{args.repeat}] service: {service['per_second']:,.0f} deliveries/s "
+                    f"({service['seconds']:.1f} s"
+                    + (f"; publish {published:,.0f} events/s" if published else "")
+                    + f"; CPU s {json.dumps(service['cpu_seconds'])})",
+                    flush=True,
+                )
+    except BenchError as exc:
+        print(f"FAILED: {exc}\nchild logs: {logs}", file=sys.stderr)
+        return 1
+    finally:
+        stop_all()
+
+    def median(runs: list[dict], key: str) -> float:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        return statistics.median(values) if values else 0.0
+
+    bare_ps = median(result["bare"], "per_second")
+    service_ps = median(result["service"], "per_second")
+    result["median"] = {
+        "bare_per_second": bare_ps,
+        "service_per_second": service_ps,
+        "ratio": round(service_ps / bare_ps, 3) if bare_ps else None,
+        # Each service run against the bare run just before it: steadier than the ratio
+        # of medians when the machine's load drifts.
+        "ratio_of_pairs": round(
+            statistics.median(
+                s["per_second"] / b["per_second"]
+                for b, s in zip(result["bare"], result["service"], strict=False)
+            ),
+            3,
+        )
+        if result["bare"] and result["service"]
+        else None,
+        "service_per_second_after_first_success": median(
+            result["service"], "per_second_after_first_success"
+        ),
+        "publish_per_second": median(result["service"], "publish_per_second"),
+    }
+    result["meets_target"] = bool(
+        result["median"]["ratio"] is not None
+        and result["median"]["ratio"] >= result["target_ratio"]
+        and args.events >= result["target_events"]
+    )
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if result["bare"] and result["service"]:
+        print()
+        print(markdown(result))
+    print(f"\nresults: {args.output}")
+    shutil.rmtree(logs, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        stop_all()
+        sys.exit(130)
