@@ -28,6 +28,8 @@ test: $(VENV)/.dev-installed
 	@set -e; \
 	export DATABASE_URL="$$(scripts/ensure_postgres.sh)"; \
 	scripts/ensure_redis.sh; \
+	command -v chromium >/dev/null || (apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null); \
 	echo "== ruff"; $(VENV)/bin/ruff check .; $(VENV)/bin/ruff format --check .; \
 	echo "== django checks"; $(PY) manage.py check; \
 	SECRET_KEY="$$(head -c 48 /dev/urandom | base64)" DEBUG=0 SECURE_SSL_REDIRECT=1 \

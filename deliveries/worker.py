@@ -29,7 +29,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, close_old_connections, connection
+from django.db import (
+    InterfaceError,
+    OperationalError,
+    close_old_connections,
+    connection,
+    transaction,
+)
 from django.utils import timezone
 
 from . import broker as transport
@@ -74,13 +80,32 @@ class Claimed:
     skipped: int
 
 
-def _claim(messages: list[tuple[object, str]], lease_seconds: float) -> Claimed:
-    """Lease the batch's deliveries and load their endpoints (runs in a DB thread)."""
+@dataclass
+class Taken:
+    received: int
+    messages: list  # (task id, payload) of deliveries
+    others: dict  # kind -> [(task id, Message)]
+    claimed: "Claimed | None"
+
+
+def _take(broker, batch_size: int, lease_seconds: float) -> Taken:
+    """Dequeue a batch and lease its deliveries: one trip to the database thread."""
     close_old_connections()
-    wanted = []
-    for _, payload in messages:
+    received = transport.receive(broker, batch_size)
+    messages, others = [], {}
+    for task_id, payload in received:
         m = transport.Message.decode(payload)
-        wanted.append((m.job_id, m.dispatch))
+        if m.kind == "delivery":
+            messages.append((task_id, m))
+        else:
+            others.setdefault(m.kind, []).append((task_id, m))
+    claimed = _claim(messages, lease_seconds) if messages else None
+    return Taken(len(received), messages, others, claimed)
+
+
+def _claim(messages: list[tuple[object, transport.Message]], lease_seconds: float) -> Claimed:
+    """Lease the batch's deliveries and load their endpoints (runs in a DB thread)."""
+    wanted = [(m.job_id, m.dispatch) for _, m in messages]
     now = timezone.now()
     leased, skipped = state.lease(wanted, now=now, lease_seconds=lease_seconds)
     endpoint_ids = {item.endpoint_id for item in leased}
@@ -104,9 +129,22 @@ def _run_job(job, messages) -> Counter:
     return job.process(messages)
 
 
-def _record(results: list[state.AttemptResult], policy: RetryPolicy) -> state.RecordSummary:
+def _record_and_acknowledge(
+    results: list[state.AttemptResult], policy: RetryPolicy, broker, task_ids: list
+) -> state.RecordSummary:
+    """Record the batch, then acknowledge its messages. With the database broker both
+    happen in one transaction; with another broker the acknowledgement follows the
+    commit (a crash in between redelivers messages whose deliveries are already
+    recorded, which the lease guard skips)."""
     close_old_connections()
-    return state.record(results, now=timezone.now(), policy=policy)
+    same_database = isinstance(broker, transport.DatabaseBroker)
+    with transaction.atomic():
+        summary = state.record(results, now=timezone.now(), policy=policy)
+        if same_database:
+            transport.acknowledge(broker, task_ids)
+    if not same_database:
+        transport.acknowledge(broker, task_ids)
+    return summary
 
 
 class Worker:
@@ -151,21 +189,12 @@ class Worker:
 
     async def process_batch(self) -> int:
         """One unit of work; returns how many broker messages it handled."""
-        received = await self._in_db(transport.receive, self.broker, self.batch_size)
-        if not received:
-            return 0
-        messages, others = [], {}
-        for task_id, payload in received:
-            m = transport.Message.decode(payload)
-            if m.kind == "delivery":
-                messages.append((task_id, payload))
-            else:
-                others.setdefault(m.kind, []).append((task_id, m))
-        for kind, items in others.items():
+        taken = await self._in_db(_take, self.broker, self.batch_size, self.lease_seconds)
+        for kind, items in taken.others.items():
             await self._process_other(kind, items)
-        if messages:
-            await self._deliver(messages)
-        return len(received)
+        if taken.messages:
+            await self._deliver(taken.messages, taken.claimed)
+        return taken.received
 
     async def _process_other(self, kind: str, items: list) -> None:
         """Jobs registered by other apps (deliveries.jobs); unknown kinds are left
@@ -180,16 +209,15 @@ class Worker:
         )
         self.counts.update({f"{kind}.{k}": v for k, v in counts.items()})
 
-    async def _deliver(self, messages: list[tuple[object, str]]) -> None:
-        claimed = await self._in_db(_claim, messages, self.lease_seconds)
+    async def _deliver(self, messages: list[tuple[object, str]], claimed: "Claimed") -> None:
         crash_point("worker.after_lease")
         results = await asyncio.gather(
             *(self._send(item, claimed.targets[item.endpoint_id]) for item in claimed.leased)
         )
         crash_point("worker.after_send")
-        summary = await self._in_db_retrying(_record, list(results), self.policy)
-        await self._in_db_retrying(
-            transport.acknowledge, self.broker, [task_id for task_id, _ in messages]
+        task_ids = [task_id for task_id, _ in messages]
+        summary = await self._in_db_retrying(
+            _record_and_acknowledge, list(results), self.policy, self.broker, task_ids
         )
         self.counts.update(
             messages=len(messages),

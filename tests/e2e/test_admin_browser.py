@@ -1,0 +1,193 @@
+"""The operator's console in a real browser: headless Chromium, driven by Playwright.
+
+An operator logs in, narrows the delivery log with the filter sidebar, opens a delivery
+that failed once, replays it, and sees the new attempt in its timeline after the pipeline
+has sent it again. The app runs on pytest-django's ``live_server``; the deliveries go
+through the real scheduler, relay and workers to the real local receiver.
+
+The browser is Debian's ``chromium`` package (``make test`` installs it); Playwright's own
+browser download is never used. A screenshot of each step is saved under
+``test-output/admin-browser/`` to show what the operator saw.
+"""
+
+import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.db import connection
+from playwright.sync_api import Page, sync_playwright
+
+from deliveries import services
+from deliveries.models import Attempt, AuditEntry, Delivery, EventType
+from tests.conftest import drain
+from tests.receiver import always, fail_first
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",  # the suite runs as root, where Chromium's sandbox cannot start
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+SCREENSHOTS = Path(__file__).resolve().parents[2] / "test-output" / "admin-browser"
+PASSWORD = "correct-horse-battery-staple"
+TIMEOUT_MS = 10_000
+
+pytestmark = pytest.mark.slow
+
+
+@contextmanager
+def chromium_page() -> Iterator[Page]:
+    """A page in headless Debian Chromium. Playwright's sync API runs an event loop in
+    this thread while it is open, so Django refuses ORM calls here until it closes: set
+    up the data first and touch the database from another thread meanwhile."""
+    if not CHROMIUM.exists():
+        pytest.fail(
+            f"{CHROMIUM} is missing: this test drives Debian's chromium package "
+            "(apt-get install -y chromium); `make test` installs it."
+        )
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
+        )
+        page = browser.new_page(viewport={"width": 1700, "height": 1000})
+        page.set_default_timeout(TIMEOUT_MS)
+        yield page
+        browser.close()
+
+
+def drain_in_a_thread() -> None:
+    """``drain()`` while the browser is open: the ORM and ``asyncio.run`` both refuse to
+    run beside the Playwright sync API's event loop in this thread."""
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            drain()
+        except BaseException as exc:  # re-raised in the test's thread
+            errors.append(exc)
+        finally:
+            # An open connection would block the flush of the test database at teardown.
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the pipeline did not drain within 30 s"
+    if errors:
+        raise errors[0]
+
+
+def shot(page: Page, name: str) -> None:
+    page.screenshot(path=SCREENSHOTS / f"{name}.png", full_page=True)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_operator_replays_a_failed_delivery_and_sees_the_new_attempt(
+    live_server, settings, tenant, receiver
+):
+    # The live server speaks plain HTTP; the production default of secure-only cookies
+    # would keep the session and CSRF cookies out of every request after the login.
+    settings.SESSION_COOKIE_SECURE = False
+    settings.CSRF_COOKIE_SECURE = False
+    # The failed attempt's retry waits an hour, so only the replay can send it again now.
+    settings.DELIVERY_RETRY_SCHEDULE = [3600]
+
+    receiver.behaviours["/flaky"] = fail_first(1)
+    receiver.behaviours["/ok"] = always(200)
+    EventType.objects.create(name="invoice.paid")
+    EventType.objects.create(name="invoice.voided")
+    flaky, _ = services.endpoint_create(
+        tenant=tenant, url=receiver.url("/flaky"), event_types=["invoice.paid"]
+    )
+    services.endpoint_create(tenant=tenant, url=receiver.url("/ok"), event_types=["invoice.voided"])
+    paid = services.publish_event(tenant=tenant, event_type="invoice.paid", payload={"n": 1})
+    services.publish_event(tenant=tenant, event_type="invoice.voided", payload={"n": 2})
+    drain()
+    delivery = Delivery.objects.get(event=paid)
+    assert delivery.state == "pending"
+    assert delivery.endpoint_id == flaky.id
+    assert Delivery.objects.filter(state="succeeded").count() == 1
+    get_user_model().objects.create_superuser("operator", "operator@example.com", PASSWORD)
+
+    admin = live_server.url + "/admin/"
+    detail = admin + f"deliveries/delivery/{delivery.id}/change/"
+    with chromium_page() as page:
+        page.goto(admin + "login/?next=/admin/")
+        page.fill("#id_username", "operator")
+        page.fill("#id_password", PASSWORD)
+        shot(page, "01-login")
+        page.click("input[type=submit]")
+        page.wait_for_url(admin)
+        assert page.locator("#user-tools").inner_text().upper().startswith("WELCOME, OPERATOR")
+
+        page.locator("#content-main").get_by_role("link", name="Deliveries", exact=True).click()
+        page.wait_for_url(admin + "deliveries/delivery/")
+        rows = page.locator("#result_list tbody tr")
+        assert rows.count() == 2
+        shot(page, "02-delivery-log")
+
+        sidebar = page.locator("#changelist-filter")
+        sidebar.locator("details[data-filter-title='state']").get_by_role(
+            "link", name="Pending", exact=True
+        ).click()
+        page.wait_for_url(re.compile(r"state__exact=pending"))
+        sidebar.locator("details[data-filter-title='event type']").get_by_role(
+            "link", name="invoice.paid", exact=True
+        ).click()
+        page.wait_for_url(re.compile(r"event_type=invoice\.paid"))
+        assert "state__exact=pending" in page.url
+        assert rows.count() == 1
+        assert rows.first.locator("td.field-endpoint_url").inner_text() == receiver.url("/flaky")
+        assert rows.first.locator("td.field-badge").inner_text() == "pending"
+        shot(page, "03-filtered-to-the-pending-delivery")
+
+        rows.first.locator("th.field-id a").click()
+        # The link keeps the filters in ?_changelist_filters= for the way back.
+        page.wait_for_url(re.compile("^" + re.escape(detail)))
+        where = page.locator(".field-where_it_stands .readonly")
+        assert where.inner_text().startswith("Waiting by policy until")
+        assert "after retry (HTTP 500)" in where.inner_text()
+        timeline = page.locator("#attempts-group tbody tr.form-row")
+        assert timeline.count() == 1
+        assert timeline.nth(0).locator("td.field-status_code").inner_text() == "500"
+        shot(page, "04-delivery-failed-once")
+
+        # The replay form posts and redirects back to this same page.
+        with page.expect_navigation(url=detail):
+            page.click("#replay-delivery")
+        assert "Delivery returned to pending" in page.locator(".messagelist").inner_text()
+        assert where.inner_text().startswith("Due since")
+        shot(page, "05-replayed")
+
+        drain_in_a_thread()
+        page.reload()
+        assert where.inner_text().startswith("Succeeded at")
+        assert "with HTTP 200 after 2 attempt(s)" in where.inner_text()
+        assert timeline.count() == 2
+        assert [timeline.nth(i).locator("td.field-status_code").inner_text() for i in (0, 1)] == [
+            "500",
+            "200",
+        ]
+        assert timeline.nth(1).locator("td.field-outcome").inner_text() == "Success"
+        shot(page, "06-new-attempt-in-the-timeline")
+
+    # The browser's view matches the database, the replay is audited under the operator's
+    # name, and the receiver saw one webhook-id twice.
+    assert list(
+        Attempt.objects.filter(delivery=delivery).order_by("number").values_list("status_code")
+    ) == [(500,), (200,)]
+    replays = AuditEntry.objects.filter(action="delivery.replay")
+    assert list(replays.values_list("actor__username", "count", "details__via")) == [
+        ("operator", 1, "admin")
+    ]
+    assert {r.webhook_id for r in receiver.requests_to("/flaky")} == {str(delivery.id)}
+    assert len(receiver.requests_to("/flaky")) == 2
