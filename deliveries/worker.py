@@ -38,6 +38,8 @@ from django.db import (
 )
 from django.utils import timezone
 
+from project.metrics import ATTEMPTS
+
 from . import broker as transport
 from . import jobs, state
 from .egress import EgressError, EgressSession
@@ -216,6 +218,8 @@ class Worker:
         )
         crash_point("worker.after_send")
         task_ids = [task_id for task_id, _ in messages]
+        for outcome, n in Counter(str(r.classification.outcome) for r in results).items():
+            ATTEMPTS.labels(outcome).inc(n)
         summary = await self._in_db_retrying(
             _record_and_acknowledge, list(results), self.policy, self.broker, task_ids
         )

@@ -30,6 +30,7 @@ from deliveries.locks import entity_lock_acquire, entity_lock_release
 from deliveries.models import Outbox
 from deliveries.policy import RetryPolicy
 from deliveries.state import message_key
+from project.metrics import INBOUND_RECEIVED, INBOUND_REFUSED
 
 from .handlers import ParsedEvent, handlers_for
 from .models import (
@@ -107,6 +108,7 @@ def count_refusal(source: Source, reason: str, request=None, remote: str = "") -
             VerificationFailure.objects.filter(source=source, reason=reason).update(
                 count=F("count") + 1, last_at=now, sample=sample
             )
+    INBOUND_REFUSED.labels(source.slug, reason).inc()
     logger.info(
         "inbound refused",
         extra={"action": "ingest.refused", "source": source.slug, "reason": reason},
@@ -192,6 +194,7 @@ def inbound_receive(*, source: Source, request: Request, remote: str = "") -> Re
         now=now,
         state=InboundState.ENQUEUED,
     )
+    INBOUND_RECEIVED.labels(source.slug, str(duplicate).lower()).inc()
     logger.info(
         "inbound received",
         extra={

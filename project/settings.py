@@ -179,6 +179,11 @@ WORKER_IDLE_SLEEP = env.float("WORKER_IDLE_SLEEP", default=0.05)
 # deliveries/faults.py at which the process kills itself. Empty in production.
 FAULT_INJECT_AT = env.str("FAULT_INJECT_AT", default="")
 
+# --- Metrics ------------------------------------------------------------------------
+# /metrics answers a Bearer METRICS_TOKEN, or requests from these addresses.
+METRICS_TOKEN = env.str("METRICS_TOKEN", default="")
+METRICS_ALLOW_IPS = env.list("METRICS_ALLOW_IPS", default=["127.0.0.1", "::1"])
+
 # --- Inbound ------------------------------------------------------------------------
 # Modules that register inbound handlers with @ingest.handlers.handler (imported at start).
 INGEST_HANDLER_MODULES = env.list("INGEST_HANDLER_MODULES", default=[])

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.abc import AbstractResolver, ResolveResult
@@ -33,13 +34,16 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 
+from deliveries import egress as egress_module
 from deliveries.egress import (
     USER_AGENT,
     EgressError,
     EgressPolicy,
     EgressSession,
     ErrorKind,
+    _Attempt,
     _policy_socket_factory,
+    _translate,
 )
 
 NOTHING_ALLOWED = EgressPolicy()
@@ -543,6 +547,72 @@ def test_the_connection_goes_to_the_address_that_was_checked():
     assert forbidden.seen == []
 
 
+def test_a_remembered_url_still_has_its_dns_answer_checked_on_every_new_connection(
+    monkeypatch,
+):
+    """The session remembers that a URL passed ``check_url``; that must never stand in
+    for the resolver's check. With DNS answers expiring at once and the receiver closing
+    every connection, the second request to the same URL resolves again, gets the
+    refused answer, and is blocked."""
+    monkeypatch.setattr(egress_module, "_DNS_CACHE_TTL_SECONDS", 0)
+    policy = EgressPolicy(allow_networks=("127.0.0.2/32",))
+    stub = StubResolver(["127.0.0.2"], ["127.0.0.1"])
+
+    async def close_after_answering(request: web.Request) -> web.StreamResponse:
+        return web.Response(text="ok", headers={"Connection": "close"})
+
+    async def scenario():
+        async with receivers_on_one_port() as (allowed, forbidden):
+            allowed.respond = close_after_answering
+            url = f"http://rebind.example:{allowed.port}/hook"
+            async with session(policy, resolver=stub) as egress:
+                first = await egress.post(url, body=b"1", headers={}, timeout=3.0)
+                error = await post_expecting_error(egress, url)
+        return first, error, allowed, forbidden
+
+    first, error, allowed, forbidden = asyncio.run(scenario())
+
+    assert first.status == 200
+    assert error.kind == ErrorKind.BLOCKED
+    assert "127.0.0.1" in error.detail
+    assert stub.lookups == ["rebind.example", "rebind.example"]
+    assert [seen.body for seen in allowed.seen] == [b"1"]
+    assert forbidden.seen == []
+
+
+def test_a_url_verdict_is_never_carried_from_one_policy_to_another():
+    async def scenario():
+        async with Receiver() as receiver:
+            async with session(LOOPBACK_ALLOWED) as egress:
+                statuses = [
+                    (await egress.post(receiver.url(), body=b"", headers={}, timeout=3.0)).status
+                    for _ in range(2)
+                ]
+            async with session(NOTHING_ALLOWED) as egress:
+                error = await post_expecting_error(egress, receiver.url())
+        return statuses, error, receiver
+
+    statuses, error, receiver = asyncio.run(scenario())
+
+    assert statuses == [200, 200]
+    assert error.kind == ErrorKind.BLOCKED
+    assert len(receiver.seen) == 2
+
+
+def test_a_refused_url_is_refused_again_each_time_with_its_own_error():
+    async def scenario():
+        async with session(NOTHING_ALLOWED) as egress:
+            return [
+                await post_expecting_error(egress, "http://169.254.169.254/latest/meta-data/")
+                for _ in range(2)
+            ]
+
+    first, second = asyncio.run(scenario())
+
+    assert first.kind == second.kind == ErrorKind.BLOCKED
+    assert first is not second
+
+
 @pytest.mark.parametrize(
     "failure",
     [
@@ -742,19 +812,74 @@ def test_session_limits_and_allow_list_default_to_settings(settings):
 
 
 @pytest.mark.parametrize(
-    "headers", [{"X-Evil": "a\r\nX-Injected: 1"}, {"X Bad": "a"}, {"X-Nul": "a\x00"}]
+    "headers",
+    [
+        {"X-Evil": "a\r\nX-Injected: 1"},
+        {"X Bad": "a"},
+        {"X-Nul": "a\x00"},
+        {"X-Evil\n": "a"},  # a trailing newline slips past a regex anchored with $
+        {"X-Ok": "fine", "X-Lf": "a\nb"},  # the bad value is not the first one
+        {"X-List": ["a\r\nX-Injected: 1"]},  # not a str at all
+        {b"X-Bytes": "a"},
+        {"": "a"},
+    ],
 )
 def test_headers_that_could_inject_are_refused_before_connecting(headers):
     async def scenario():
         async with Receiver() as receiver, session(LOOPBACK_ALLOWED) as egress:
             with pytest.raises(EgressError) as info:
                 await egress.post(receiver.url(), body=b"", headers=headers, timeout=3.0)
-        return receiver, info.value
+            # Refusing is not remembered as anything: the same session still sends.
+            ok = await egress.post(receiver.url(), body=b"", headers={"X-Ok": "1"}, timeout=3.0)
+        return receiver, info.value, ok
 
-    receiver, error = asyncio.run(scenario())
+    receiver, error, ok = asyncio.run(scenario())
 
     assert error.kind == ErrorKind.INVALID_URL
-    assert receiver.seen == []
+    assert ok.status == 200
+    assert len(receiver.seen) == 1
+    assert receiver.seen[0].headers["X-Ok"] == "1"
+
+
+def test_the_same_header_names_with_new_values_are_checked_every_time():
+    """Names may be remembered as valid; values never are, they change per delivery."""
+
+    async def scenario():
+        async with Receiver() as receiver, session(LOOPBACK_ALLOWED) as egress:
+            first = await egress.post(
+                receiver.url(), body=b"", headers={"Webhook-Id": "msg_1"}, timeout=3.0
+            )
+            with pytest.raises(EgressError) as info:
+                await egress.post(
+                    receiver.url(), body=b"", headers={"Webhook-Id": "msg_2\r\nX: 1"}, timeout=3.0
+                )
+        return receiver, first, info.value
+
+    receiver, first, error = asyncio.run(scenario())
+
+    assert first.status == 200
+    assert error.kind == ErrorKind.INVALID_URL
+    assert "Webhook-Id" in error.detail
+    assert [seen.headers["Webhook-Id"] for seen in receiver.seen] == ["msg_1"]
+
+
+def test_a_body_that_arrives_in_pieces_is_read_whole():
+    async def in_pieces(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for piece in (b"ab", b"cd", b"ef"):
+            await response.write(piece)
+            await asyncio.sleep(0.05)
+        await response.write_eof()
+        return response
+
+    async def scenario():
+        async with Receiver(respond=in_pieces) as receiver, session(LOOPBACK_ALLOWED) as egress:
+            return await egress.post(receiver.url(), body=b"", headers={}, timeout=3.0)
+
+    response = asyncio.run(scenario())
+
+    assert (response.body, response.truncated) == (b"abcdef", False)
 
 
 # --- failures and their ambiguity --------------------------------------------------------
@@ -839,6 +964,92 @@ def test_a_receiver_that_reads_the_body_then_hangs_up_is_ambiguous():
     assert error.kind == ErrorKind.PROTOCOL
     assert error.ambiguous is True
     assert received == [b"payload"]
+
+
+def test_a_timeout_on_a_reused_keep_alive_connection_is_ambiguous():
+    """A pooled connection counts as established as much as a new one does."""
+    peers: list[Any] = []
+
+    async def ok_then_silent(request: web.Request) -> web.StreamResponse:
+        peers.append(request.transport.get_extra_info("peername") if request.transport else None)
+        if len(peers) > 1:
+            await asyncio.sleep(10)
+        return web.Response(text="ok")
+
+    async def scenario():
+        async with (
+            Receiver(respond=ok_then_silent) as receiver,
+            session(LOOPBACK_ALLOWED) as egress,
+        ):
+            first = await egress.post(receiver.url(), body=b"1", headers={}, timeout=3.0)
+            error = await post_expecting_error(egress, receiver.url(), timeout=0.5)
+        return first, error
+
+    first, error = asyncio.run(scenario())
+
+    assert first.status == 200
+    assert len(peers) == 2
+    assert peers[0] == peers[1]  # the same client socket: the connection was reused
+    assert error.kind == ErrorKind.TIMEOUT
+    assert error.ambiguous is True
+
+
+def test_connected_is_judged_per_request_not_per_session_or_task():
+    """A request still resolving when its total timeout expires is not ambiguous, even
+    though the same task already had a request connect and another request is connected
+    and waiting at that very moment."""
+    stub = StubResolver(["127.0.0.1"], delay=5.0)
+
+    async def silent(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(10)
+        return web.Response()
+
+    async def scenario():
+        async with (
+            Receiver() as answering,
+            Receiver(respond=silent) as hanging,
+            # connect_timeout above the total timeout: the total one expires first.
+            session(LOOPBACK_ALLOWED, resolver=stub, connect_timeout=5.0) as egress,
+        ):
+            warm_up = await egress.post(answering.url(), body=b"", headers={}, timeout=3.0)
+            resolving, waiting = await asyncio.gather(
+                post_expecting_error(egress, f"http://slow.example:{answering.port}/", timeout=0.5),
+                post_expecting_error(egress, hanging.url(), timeout=1.0),
+            )
+        return warm_up, resolving, waiting, answering, hanging
+
+    warm_up, resolving, waiting, answering, hanging = asyncio.run(scenario())
+
+    assert warm_up.status == 200
+    assert (resolving.kind, resolving.ambiguous) == (ErrorKind.TIMEOUT, False)
+    assert "connecting" in resolving.detail
+    assert (waiting.kind, waiting.ambiguous) == (ErrorKind.TIMEOUT, True)
+    assert len(answering.seen) == 1
+    assert len(hanging.seen) == 1
+
+
+@pytest.mark.parametrize(
+    ("exc", "connected", "kind", "ambiguous"),
+    [
+        # Only the connection mark can tell these two apart: both are bare timeouts.
+        (TimeoutError(), False, ErrorKind.TIMEOUT, False),
+        (TimeoutError(), True, ErrorKind.TIMEOUT, True),
+        (aiohttp.ConnectionTimeoutError("connect"), True, ErrorKind.TIMEOUT, False),
+        (aiohttp.SocketTimeoutError("read"), True, ErrorKind.TIMEOUT, True),
+        (aiohttp.ServerDisconnectedError(), False, ErrorKind.PROTOCOL, True),
+        (aiohttp.ClientPayloadError("cut"), False, ErrorKind.PROTOCOL, True),
+        (aiohttp.ClientOSError(104, "reset"), False, ErrorKind.PROTOCOL, False),
+        (aiohttp.ClientOSError(104, "reset"), True, ErrorKind.PROTOCOL, True),
+        (ssl.SSLError("bad record mac"), True, ErrorKind.TLS, True),
+    ],
+)
+def test_ambiguity_follows_whether_a_connection_was_established(exc, connected, kind, ambiguous):
+    attempt = _Attempt()
+    attempt.connected = connected
+
+    error = _translate(exc, attempt, 1.0)
+
+    assert (error.kind, error.ambiguous) == (kind, ambiguous)
 
 
 @pytest.fixture

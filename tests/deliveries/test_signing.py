@@ -1,9 +1,14 @@
 """Standard Webhooks signing: the spec's test vector and a third-party verifier."""
 
 import base64
+import hashlib
+import hmac
 import time
 
 import pytest
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from deliveries import signing
@@ -48,3 +53,47 @@ def test_one_signature_per_active_secret_and_any_one_verifies_with_the_third_par
         assert Webhook(secret).verify(body, headers) == {"x": 1}
     with pytest.raises(WebhookVerificationError):
         Webhook(signing.generate_secret()).verify(body, headers)
+
+
+def reference_signature(secret: str, msg_id: str, timestamp: int, body: bytes) -> str:
+    """The spec written out longhand, with nothing cached."""
+    key = base64.b64decode(secret.removeprefix("whsec_"))
+    mac = hmac.new(key, f"{msg_id}.{timestamp}.".encode() + body, hashlib.sha256).digest()
+    return "v1," + base64.b64encode(mac).decode()
+
+
+ROTATION = [VECTOR_SECRET, signing.generate_secret(), signing.generate_secret()]
+
+
+@hypothesis_settings(max_examples=200, deadline=None)
+@given(
+    messages=st.lists(
+        st.tuples(
+            st.sampled_from(ROTATION),
+            st.text(min_size=1, max_size=40),
+            st.integers(min_value=0, max_value=2**40),
+            st.binary(max_size=4096),
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_signatures_match_the_uncached_computation_whatever_was_signed_before(messages):
+    """The keyed HMAC kept per secret is copied, never consumed: signing one message
+    must not leak into the next one signed with the same or another secret."""
+    for secret, msg_id, timestamp, body in messages:
+        expected = reference_signature(secret, msg_id, timestamp, body)
+        assert signing.sign(secret, msg_id=msg_id, timestamp=timestamp, body=body) == expected
+
+
+def test_the_key_of_a_secret_is_decoded_once_and_the_cache_is_bounded():
+    secret = signing.generate_secret()
+    before = signing.secret_key.cache_info()
+
+    for n in range(3):
+        signing.sign(secret, msg_id=f"msg_{n}", timestamp=VECTOR_TS, body=b"{}")
+
+    after = signing.secret_key.cache_info()
+    assert after.misses == before.misses + 1
+    assert after.maxsize is not None
+    assert signing.secret_key(secret) == base64.b64decode(secret.removeprefix("whsec_"))

@@ -347,3 +347,26 @@ def test_run_workers_processes_inbound_and_reprocess_is_audited(stripe, applied)
     drain()
     assert len(applied) == 2
     assert AuditEntry.objects.get(action="inbound.reprocess").count == 1
+
+
+def test_refusals_are_a_prometheus_metric(stripe):
+    from prometheus_client import REGISTRY
+
+    def refused():
+        return (
+            REGISTRY.get_sample_value(
+                "webhooks_inbound_refused_total", {"source": "stripe", "reason": "bad_signature"}
+            )
+            or 0
+        )
+
+    before = refused()
+    post(stripe_event(), secret="whsec_wrong")
+    post(stripe_event(), secret="whsec_wrong")
+    assert refused() == before + 2
+    metrics = Client().get("/metrics")
+    assert metrics.status_code == 200
+    assert b'webhooks_inbound_refused_total{reason="bad_signature",source="stripe"}' in (
+        metrics.content
+    )
+    assert Client(REMOTE_ADDR="203.0.113.9").get("/metrics").status_code == 403
