@@ -240,7 +240,6 @@ class _Bucket:
     endpoint_id: uuid.UUID
     tokens: float
     refilled_at: datetime
-    touched: bool = field(default=False)
 
 
 def _rate_buckets(endpoints: Iterable[dict], now: datetime) -> dict[uuid.UUID, _Bucket]:
@@ -261,7 +260,7 @@ def _rate_buckets(endpoints: Iterable[dict], now: datetime) -> dict[uuid.UUID, _
         else:
             elapsed = max(0.0, (now - row.refilled_at).total_seconds())
             tokens = min(rate, row.tokens + elapsed * rate)
-        buckets[endpoint_id] = _Bucket(endpoint_id, max(tokens, 0.0), now, touched=True)
+        buckets[endpoint_id] = _Bucket(endpoint_id, max(tokens, 0.0), now)
     return buckets
 
 
