@@ -116,7 +116,9 @@ class Event(models.Model):
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="events")
-    event_type = models.CharField(max_length=200)
+    # Indexed for the admin's event-type filter (events are never updated, so the index
+    # costs one entry per event).
+    event_type = models.CharField(max_length=200, db_index=True)
     payload_version = models.PositiveSmallIntegerField(default=1)
     entity_id = models.CharField(max_length=200, blank=True, db_index=True)
     body = models.BinaryField()
@@ -239,11 +241,20 @@ class Delivery(models.Model):
             models.Index(fields=["state", "-created_at"], name="delivery_state_created"),
             models.Index(fields=["tenant", "-created_at"], name="delivery_tenant_created"),
             models.Index(fields=["endpoint", "-created_at"], name="delivery_endpoint_created"),
-            # Dead-letter view and bulk recovery.
+            # Dead-letter view (grouped by endpoint and reason from the index alone) and
+            # bulk recovery.
             models.Index(
                 fields=["endpoint", "finished_at"],
+                include=["last_outcome"],
                 condition=Q(state="dead"),
                 name="delivery_dead",
+            ),
+            # The admin's outcome filter: failed outcomes only, so a delivery that
+            # succeeds the first time never enters it.
+            models.Index(
+                fields=["last_outcome", "-created_at"],
+                condition=~Q(last_outcome__in=["", "success"]),
+                name="delivery_failed_outcome",
             ),
         ]
 
