@@ -83,6 +83,8 @@ class AdmissionResult:
     admitted: int = 0
     # Due rows left pending this page because a ceiling was reached.
     held_back: int = 0
+    # The global in-flight ceiling is reached: nothing was scanned.
+    saturated: bool = False
 
 
 def _take_admission_lock() -> None:
@@ -115,6 +117,7 @@ def admit_due(*, now: datetime, page_size: int, limits: Limits) -> AdmissionResu
         total = sum(row["n"] for row in in_flight)
         free = min(page_size, limits.max_in_flight - total)
         if free <= 0:
+            result.saturated = True
             return result
         by_tenant: Counter = Counter()
         by_endpoint: Counter = Counter()
