@@ -8,6 +8,8 @@ It reads one JSON command per line on stdin and answers one JSON line on stdout:
   ``t0 + i / rate`` whether or not earlier ones were answered, and its latency is taken
   from that *scheduled* time to the end of its response body, so a stalled server shows
   up as latency instead of a slower client (no coordinated omission).
+* ``{"op": "prepare", ...}`` with the same fields as the next ``open``: build and sign
+  its requests now, so that the caller's timing of ``open`` leaves the signing out.
 * ``{"op": "closed", "url", "seconds", "concurrency", "first", "max_requests"}``: a
   closed loop (each of ``concurrency`` senders posts again as soon as it has its
   answer), for the server's maximum throughput.
@@ -132,11 +134,24 @@ def _session(conn_limit: int, timeout: float):
     )
 
 
+_prepared: dict = {}
+
+
+def prepare(cmd: dict, secret: str) -> dict:
+    """Build and sign the requests of the next ``open`` command (same ``first``), so that
+    the caller can leave the signing out of what it times."""
+    n = max(1, round(float(cmd["rate"]) * float(cmd["seconds"])))
+    built = time.perf_counter()
+    _prepared.clear()
+    _prepared[cmd["first"]] = signed_requests(cmd["first"], n, secret)
+    return {"op": "prepare", "requests": n, "build_seconds": time.perf_counter() - built}
+
+
 async def run_open(cmd: dict, secret: str) -> dict:
     rate, seconds = float(cmd["rate"]), float(cmd["seconds"])
     n = max(1, round(rate * seconds))
     built = time.perf_counter()
-    requests = signed_requests(cmd["first"], n, secret)
+    requests = _prepared.pop(cmd["first"], None) or signed_requests(cmd["first"], n, secret)
     build_seconds = time.perf_counter() - built
     url, tally, lag = cmd["url"], Tally(), []
     loop = asyncio.get_running_loop()
@@ -231,15 +246,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--secret", required=True)
     args = parser.parse_args(argv)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "quit":
             break
-        runner = {"open": run_open, "closed": run_closed}[cmd["op"]]
-        print(json.dumps(asyncio.run(runner(cmd, args.secret))), flush=True)
+        if cmd["op"] == "prepare":
+            answer = prepare(cmd, args.secret)
+        else:
+            runner = {"open": run_open, "closed": run_closed}[cmd["op"]]
+            answer = asyncio.run(runner(cmd, args.secret))
+        print(json.dumps(answer), flush=True)
     return 0
 
 

@@ -13,12 +13,12 @@ import os
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
 
-from django.conf import settings  # noqa: E402 - the settings module must be named first
-from django.core.wsgi import get_wsgi_application  # noqa: E402
-from django.http import JsonResponse  # noqa: E402
-from django.urls import path  # noqa: E402
-from django.views.decorators.csrf import csrf_exempt  # noqa: E402
-from django.views.decorators.http import require_POST  # noqa: E402
+from django.conf import settings
+from django.core.wsgi import get_wsgi_application
+from django.http import JsonResponse
+from django.urls import path
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_POST
 
 
 @csrf_exempt
