@@ -26,6 +26,7 @@ from django.utils import timezone
 from django_q.brokers import Broker, get_broker
 
 from .models import QueueMessage
+from .sql import bound_cursor
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class DatabaseBroker(Broker):
     def enqueue_many(self, tasks: Sequence[str], *, priorities: Sequence[int]) -> list[int]:
         now = timezone.now()
         if connection.vendor == "postgresql":
-            with connection.cursor() as cursor:
+            with bound_cursor() as cursor:
                 cursor.execute(
                     _ENQUEUE_SQL, [self.list_key, now, now, list(tasks), list(priorities)]
                 )
@@ -111,7 +112,7 @@ class DatabaseBroker(Broker):
         limit = limit or settings.WORKER_BATCH_SIZE
         hidden_until = now + self._visibility()
         if connection.vendor == "postgresql":
-            with connection.cursor() as cursor:
+            with bound_cursor() as cursor:
                 # One statement: claim and hide. The inner SELECT uses queue_visible.
                 cursor.execute(_DEQUEUE_SQL, [hidden_until, self.list_key, now, limit])
                 rows = cursor.fetchall()

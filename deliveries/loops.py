@@ -35,6 +35,7 @@ from . import jobs, state
 from .faults import crash_point
 from .models import Delivery, LoopRun, Outbox
 from .policy import RetryPolicy
+from .sql import bound_cursor
 
 logger = logging.getLogger("deliveries")
 
@@ -133,7 +134,7 @@ def _claim_outbox(now, page_size: int) -> list[tuple]:
     Uses the partial index outbox_unpublished."""
     until = now + timedelta(seconds=RELAY_CLAIM_SECONDS)
     if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
+        with bound_cursor() as cursor:
             cursor.execute(_CLAIM_OUTBOX_SQL, {"until": until, "now": now, "limit": page_size})
             return sorted(cursor.fetchall())
     with transaction.atomic():

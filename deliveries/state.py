@@ -35,6 +35,7 @@ from .models import (
     Outcome,
 )
 from .policy import Classification, RetryPolicy
+from .sql import bound_cursor
 
 PENDING = DeliveryState.PENDING
 ENQUEUED = DeliveryState.ENQUEUED
@@ -215,7 +216,7 @@ FROM admitted
 
 def _enqueue(ids: list[uuid.UUID], now: datetime) -> int:
     if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
+        with bound_cursor() as cursor:
             cursor.execute(_ENQUEUE_SQL, {"ids": ids, "now": now})
             return cursor.rowcount
     Delivery.objects.filter(id__in=ids, state=PENDING).update(
@@ -426,7 +427,7 @@ RETURNING d.id, d.event_id, d.endpoint_id, d.tenant_id, e.event_type, e.body,
 
 
 def _lease_postgres(messages, *, now, until, token) -> list[tuple]:
-    with transaction.atomic(), connection.cursor() as cursor:
+    with transaction.atomic(), bound_cursor() as cursor:
         cursor.execute(
             _LEASE_SQL,
             {
@@ -560,7 +561,7 @@ RETURNING d.id
 
 def _finish_successes(successes: Sequence[AttemptResult], now: datetime) -> set[uuid.UUID]:
     if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
+        with bound_cursor() as cursor:
             cursor.execute(
                 _SUCCEED_SQL,
                 {
@@ -687,8 +688,8 @@ def _append_attempts(results: Sequence[AttemptResult], held: set) -> None:
         from psycopg.types.json import Jsonb
 
         with (
-            connection.cursor() as cursor,
-            cursor.cursor.copy(
+            bound_cursor() as cursor,
+            cursor.copy(
                 f"COPY deliveries_attempt ({', '.join(_ATTEMPT_COLUMNS)}) FROM STDIN"
             ) as copy,
         ):
