@@ -41,17 +41,19 @@ logger = logging.getLogger("deliveries")
 
 RELAY_CLAIM_SECONDS = 30
 SOON_WAIT = 0.02
+BLOCKED_WAIT = 0.05
 
 
 @dataclass
 class Tick:
-    """What one unit of work did. ``busy``: run again at once. ``soon``: it did some work
-    or work is waiting for a slot, so look again shortly. ``idle``: nothing is left for
-    this loop now (``--until-idle`` stops)."""
+    """What one unit of work did. ``busy``: run again at once. ``soon``: it did some work,
+    so look again shortly. ``blocked``: due work waits for a slot under a ceiling.
+    ``idle``: nothing is left for this loop now (``--until-idle`` stops)."""
 
     counts: Counter = field(default_factory=Counter)
     busy: bool = False
     soon: bool = False
+    blocked: bool = False
     idle: bool = False
 
 
@@ -83,7 +85,10 @@ def scheduler_tick(*, page_size: int | None = None) -> Tick:
             Q(state__in=state.IN_FLIGHT) | Q(state=state.PENDING, next_attempt_at__lte=now)
         ).exists()
     tick.busy |= others_busy
-    tick.soon = bool(admitted.admitted or admitted.held_back or admitted.saturated)
+    tick.soon = admitted.admitted > 0
+    # Work waits for a slot: look again at a steady pace, not in a tight loop (each pass
+    # counts the rows in flight).
+    tick.blocked = bool(admitted.held_back or admitted.saturated)
     return tick
 
 
@@ -200,7 +205,8 @@ def run_loop(
     """Run ``unit`` until stopped (``once``: a single unit; ``until_idle``: until a unit
     reports nothing left). Returns the summed counts, also kept in a LoopRun row.
 
-    Pacing: at once while busy; after SOON_WAIT while there is work in motion; when idle,
+    Pacing: at once while busy; after SOON_WAIT while there is work in motion, and
+    BLOCKED_WAIT while due work waits under a ceiling; when idle,
     a wait that doubles from SOON_WAIT up to ``interval``, so an idle loop costs little
     and a busy one answers within milliseconds."""
     stop = stop or StopFlag()
@@ -242,6 +248,9 @@ def run_loop(
             idle_wait = SOON_WAIT
             if not tick.busy:
                 stop.event.wait(SOON_WAIT)
+        elif tick.blocked:
+            idle_wait = SOON_WAIT
+            stop.event.wait(BLOCKED_WAIT)
         else:
             stop.event.wait(idle_wait)
             idle_wait = min(idle_wait * 2, interval)
