@@ -30,6 +30,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "django_filters",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "django_q",
     "deliveries",
     "ingest",
@@ -136,6 +137,9 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Endpoints, events and delivery history for one tenant.",
     "VERSION": "1.0.0",
     "ENUM_NAME_OVERRIDES": {"OutcomeEnum": "deliveries.models.Outcome"},
+    # Swagger UI served from this app, not a CDN: /api/docs/ works offline.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
 }
 
 # --- Egress ---------------------------------------------------------------------------

@@ -27,3 +27,11 @@ def test_readyz_is_503_when_the_broker_is_unreachable(settings, monkeypatch):
     r = Client().get("/readyz")
     assert r.status_code == 503
     assert r.json()["checks"]["broker"] == "unavailable"
+
+
+@pytest.mark.django_db
+def test_the_interactive_api_page_serves_its_own_assets():
+    page = Client().get("/api/docs/")
+    assert page.status_code == 200
+    assert b"swagger-ui" in page.content
+    assert b"cdn.jsdelivr" not in page.content
