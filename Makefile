@@ -39,8 +39,13 @@ test: $(VENV)/.dev-installed
 	echo "== OpenAPI schema"; $(PY) manage.py spectacular --validate --fail-on-warn >/dev/null; \
 	echo "== pytest (PostgreSQL)"; $(VENV)/bin/pytest $(PYTEST_ARGS)
 
+## make bench: outbound throughput, inbound acknowledgement, the admin at 1M rows
+## (several minutes each; results in bench/results/, see docs/benchmarks.md).
 bench: $(VENV)/.dev-installed
-	@export DATABASE_URL="$$(scripts/ensure_postgres.sh)"; $(PY) bench/outbound.py $(BENCH_ARGS)
+	@set -e; export DATABASE_URL="$$(scripts/ensure_postgres.sh)"; \
+	$(PY) bench/outbound.py $(BENCH_ARGS); \
+	$(PY) bench/ingest.py; \
+	$(PY) bench/admin_log.py
 
 clean:
 	rm -rf $(VENV) var/*.sqlite3*
