@@ -21,7 +21,7 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.core.cache import cache
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
@@ -29,6 +29,7 @@ from deliveries.broker import Message
 from deliveries.locks import entity_lock_acquire, entity_lock_release
 from deliveries.models import Outbox
 from deliveries.policy import RetryPolicy
+from deliveries.sql import bound_cursor
 from deliveries.state import message_key
 from project.metrics import INBOUND_RECEIVED, INBOUND_REFUSED
 
@@ -211,32 +212,79 @@ def inbound_receive(*, source: Source, request: Request, remote: str = "") -> Re
 def _insert(
     source, *, event_id, event_type, entity_id, occurred_at, request, now, state, error=""
 ) -> tuple[uuid.UUID, bool]:
-    new_id = uuid.uuid4()
+    """Store the event (and, if it is to be processed, its outbox row) unless the source
+    has it already; a copy counts as a duplicate. Returns the stored id and whether it
+    was a duplicate."""
+    fields = {
+        "id": uuid.uuid4(),
+        "source_id": source.id,
+        "event_id": event_id,
+        "event_type": event_type[:200],
+        "entity_id": entity_id[:300],
+        "occurred_at": occurred_at,
+        "body": request.body,
+        "headers": _stored_headers(request.headers),
+        "state": state,
+        "received_at": now,
+        "next_attempt_at": now,
+        "last_error": error,
+        "dispatch_count": 1 if state == InboundState.ENQUEUED else 0,
+        "enqueued_at": now if state == InboundState.ENQUEUED else None,
+    }
+    if connection.vendor == "postgresql":
+        inserted = _insert_postgres(fields, now, with_job=state == InboundState.ENQUEUED)
+    else:
+        inserted = _insert_portable(fields, now, with_job=state == InboundState.ENQUEUED)
+    if inserted:
+        return fields["id"], False
+    existing = InboundEvent.objects.filter(source=source, event_id=event_id)
+    existing.update(duplicates=F("duplicates") + 1, last_duplicate_at=now)
+    return existing.values_list("id", flat=True).first(), True
+
+
+# The event and its processing job in one statement: insert-or-nothing on
+# UNIQUE(source, event_id) (a concurrent copy waits for the first and then inserts
+# nothing), and the outbox row only for an event actually inserted. The message key is
+# deliveries.state.message_key(id, 1, "inbound").
+_INSERT_SQL = """
+WITH new AS (
+    INSERT INTO ingest_inboundevent (id, source_id, event_id, event_type, entity_id,
+        occurred_at, body, headers, state, received_at, duplicates, next_attempt_at,
+        attempt_count, dispatch_count, enqueued_at, last_error)
+    VALUES (%(id)s, %(source_id)s, %(event_id)s, %(event_type)s, %(entity_id)s,
+        %(occurred_at)s, %(body)s, %(headers)s, %(state)s, %(received_at)s, 0,
+        %(next_attempt_at)s, 0, %(dispatch_count)s, %(enqueued_at)s, %(last_error)s)
+    ON CONFLICT (source_id, event_id) DO NOTHING
+    RETURNING id
+), job AS (
+    INSERT INTO deliveries_outbox (message_key, kind, ref_id, dispatch, priority, created_at)
+    SELECT 'inbound:' || replace(id::text, '-', '') || ':1', 'inbound', id, 1, 0, %(now)s
+    FROM new WHERE %(with_job)s
+)
+SELECT count(*) FROM new
+"""
+
+
+def _insert_postgres(fields: dict, now: datetime, *, with_job: bool) -> bool:
+    from psycopg.types.json import Jsonb
+
+    with bound_cursor() as cursor:
+        cursor.execute(
+            _INSERT_SQL,
+            {**fields, "headers": Jsonb(fields["headers"]), "now": now, "with_job": with_job},
+        )
+        return cursor.fetchone()[0] == 1
+
+
+def _insert_portable(fields: dict, now: datetime, *, with_job: bool) -> bool:
     try:
         with transaction.atomic():
-            InboundEvent.objects.create(
-                id=new_id,
-                source=source,
-                event_id=event_id,
-                event_type=event_type[:200],
-                entity_id=entity_id[:300],
-                occurred_at=occurred_at,
-                body=request.body,
-                headers=_stored_headers(request.headers),
-                state=state,
-                received_at=now,
-                next_attempt_at=now,
-                last_error=error,
-                dispatch_count=1 if state == InboundState.ENQUEUED else 0,
-                enqueued_at=now if state == InboundState.ENQUEUED else None,
-            )
-            if state == InboundState.ENQUEUED:
-                _write_outbox([new_id], now)
+            InboundEvent.objects.create(**fields)
+            if with_job:
+                _write_outbox([fields["id"]], now)
     except IntegrityError:
-        existing = InboundEvent.objects.filter(source=source, event_id=event_id)
-        existing.update(duplicates=F("duplicates") + 1, last_duplicate_at=now)
-        return existing.values_list("id", flat=True).first(), True
-    return new_id, False
+        return False
+    return True
 
 
 def _write_outbox(ids: Sequence[uuid.UUID], now: datetime) -> None:
