@@ -352,35 +352,30 @@ def audit(*, actor, action: str, target: str, count: int, **details: Any) -> Aud
     )
 
 
-def delivery_replay(*, delivery_ids: Iterable[uuid.UUID], actor=None, via: str = "api") -> int:
-    """Send deliveries again with the same identity; audited."""
+def _audited(transition, action: str, delivery_ids, actor, via: str) -> int:
+    """Apply a state transition to deliveries and write its audit row, atomically."""
     ids = list(delivery_ids)
     with transaction.atomic():
-        count = state.replay(delivery_ids=ids, now=timezone.now())
+        count = transition(delivery_ids=ids, now=timezone.now())
         audit(
             actor=actor,
-            action="delivery.replay",
+            action=action,
             target="delivery",
             count=count,
             via=via,
             ids=[str(i) for i in ids[:100]],
         )
     return count
+
+
+def delivery_replay(*, delivery_ids: Iterable[uuid.UUID], actor=None, via: str = "api") -> int:
+    """Send deliveries again with the same identity; audited."""
+    return _audited(state.replay, "delivery.replay", delivery_ids, actor, via)
 
 
 def delivery_cancel(*, delivery_ids: Iterable[uuid.UUID], actor=None, via: str = "api") -> int:
-    ids = list(delivery_ids)
-    with transaction.atomic():
-        count = state.cancel(delivery_ids=ids, now=timezone.now())
-        audit(
-            actor=actor,
-            action="delivery.cancel",
-            target="delivery",
-            count=count,
-            via=via,
-            ids=[str(i) for i in ids[:100]],
-        )
-    return count
+    """Stop deliveries not yet sent; audited."""
+    return _audited(state.cancel, "delivery.cancel", delivery_ids, actor, via)
 
 
 RECOVER_MAX_AGE = timedelta(days=14)
