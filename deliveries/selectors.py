@@ -6,7 +6,7 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django.utils import timezone
 
-from .models import Attempt, Delivery, DeliveryState, LoopRun, Outbox
+from .models import Delivery, DeliveryState, LoopRun, Outbox
 
 # A loop whose heartbeat is older than this is taken as not running.
 LOOP_STALE_AFTER = timedelta(seconds=60)
@@ -125,7 +125,3 @@ def delivery_explain(delivery: Delivery, *, now: datetime | None = None) -> Expl
         + ". Replay sends it again with the same webhook-id.",
         details,
     )
-
-
-def delivery_attempts(delivery: Delivery):
-    return Attempt.objects.filter(delivery=delivery).order_by("number", "id")

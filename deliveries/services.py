@@ -12,6 +12,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from . import state
@@ -257,8 +258,6 @@ def active_secrets(
     endpoint_ids: Iterable[uuid.UUID], *, now: datetime
 ) -> dict[uuid.UUID, list[str]]:
     """Signing secrets by endpoint, newest first, leaving out expired ones."""
-    from django.db.models import Q
-
     found: dict[uuid.UUID, list[str]] = {}
     for endpoint_id, secret in (
         EndpointSecret.objects.filter(endpoint_id__in=list(endpoint_ids))

@@ -76,7 +76,6 @@ class Target:
 
 @dataclass
 class Claimed:
-    messages: list[tuple[object, str]]
     leased: list[state.Leased]
     targets: dict
     skipped: int
@@ -123,7 +122,7 @@ def _claim(messages: list[tuple[object, transport.Message]], lease_seconds: floa
             retry_client_errors=e.retry_client_errors,
             secrets=tuple(secrets.get(e.id, ())),
         )
-    return Claimed(messages=messages, leased=leased, targets=targets, skipped=skipped)
+    return Claimed(leased=leased, targets=targets, skipped=skipped)
 
 
 def _run_job(job, messages) -> Counter:
