@@ -25,6 +25,7 @@ from django.db.models import F
 from django.utils import timezone
 from django_q.brokers import Broker, get_broker
 
+from . import wakeup
 from .models import QueueMessage
 from .sql import bound_cursor
 
@@ -94,7 +95,9 @@ class DatabaseBroker(Broker):
                 cursor.execute(
                     _ENQUEUE_SQL, [self.list_key, now, now, list(tasks), list(priorities)]
                 )
-                return [r[0] for r in cursor.fetchall()]
+                ids = [r[0] for r in cursor.fetchall()]
+            wakeup.notify(wakeup.QUEUE)
+            return ids
         rows = QueueMessage.objects.bulk_create(
             [
                 QueueMessage(

@@ -31,7 +31,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from . import broker as transport
-from . import jobs, state
+from . import jobs, state, wakeup
 from .faults import crash_point
 from .models import Delivery, LoopRun, Outbox
 from .policy import RetryPolicy
@@ -201,6 +201,7 @@ def run_loop(
     interval: float = 0.2,
     stop: StopFlag | None = None,
     heartbeat_every: float = 5.0,
+    listen: tuple[str, ...] = (),
 ) -> Counter:
     """Run ``unit`` until stopped (``once``: a single unit; ``until_idle``: until a unit
     reports nothing left). Returns the summed counts, also kept in a LoopRun row.
@@ -208,8 +209,18 @@ def run_loop(
     Pacing: at once while busy; after SOON_WAIT while there is work in motion, and
     BLOCKED_WAIT while due work waits under a ceiling; when idle,
     a wait that doubles from SOON_WAIT up to ``interval``, so an idle loop costs little
-    and a busy one answers within milliseconds."""
+    and a busy one answers within milliseconds. With ``listen`` channels (PostgreSQL,
+    deliveries.wakeup) a notification ends any wait early, and an idle loop waits the
+    whole ``interval`` at once."""
     stop = stop or StopFlag()
+    listener = wakeup.Listener(*listen) if listen and not once else None
+
+    def wait(seconds: float) -> None:
+        if listener is None:
+            stop.event.wait(seconds)
+        else:
+            listener.wait(seconds, stop.event)
+
     totals: Counter = Counter()
     run = _with_db_retry(lambda: start_run(kind), stop)
     if run is None:
@@ -247,13 +258,15 @@ def run_loop(
         if tick.busy or tick.soon:
             idle_wait = SOON_WAIT
             if not tick.busy:
-                stop.event.wait(SOON_WAIT)
+                wait(SOON_WAIT)
         elif tick.blocked:
             idle_wait = SOON_WAIT
-            stop.event.wait(BLOCKED_WAIT)
+            wait(BLOCKED_WAIT)
         else:
-            stop.event.wait(idle_wait)
+            wait(interval if listener else idle_wait)
             idle_wait = min(idle_wait * 2, interval)
+    if listener is not None:
+        listener.close()
     _with_db_retry(lambda: save_run(run, totals, finished=True), stop, attempts=3)
     logger.info(
         "loop stopped", extra={"action": f"{kind}.stop", "run_id": str(run.id), **dict(totals)}

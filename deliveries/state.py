@@ -25,6 +25,7 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import Count, F, Q
 
+from . import wakeup
 from .models import (
     Attempt,
     Delivery,
@@ -104,98 +105,176 @@ def admit_due(*, now: datetime, page_size: int, limits: Limits) -> AdmissionResu
     to it; and the endpoint's start-rate bucket. Saturated tenants and endpoints are left
     out of the scan itself, so their backlog cannot hide other tenants' due rows: the
     per-tenant ceiling is what guarantees a share to every tenant. Among the rows one
-    scan reads (twice the free slots), tenants are served round-robin.
+    scan reads (twice the free slots, up to ADMISSION_CHUNK), tenants are served
+    round-robin.
     """
     result = AdmissionResult()
     with transaction.atomic():
         _take_admission_lock()
-        in_flight = list(
-            Delivery.objects.filter(state__in=IN_FLIGHT)
-            .values("tenant_id", "endpoint_id")
-            .annotate(n=Count("id"))
-            .order_by()
-        )
-        total = sum(row["n"] for row in in_flight)
-        free = min(page_size, limits.max_in_flight - total)
+        # Keys are text throughout (ids as PostgreSQL prints them): thousands of rows
+        # pass through here per second, and building UUID objects for them would cost
+        # more than the choosing.
+        by_tenant: Counter = Counter()
+        by_endpoint: Counter = Counter()
+        for tenant_id, endpoint_id, n in _in_flight():
+            by_tenant[tenant_id] += n
+            by_endpoint[endpoint_id] += n
+        free = min(page_size, limits.max_in_flight - sum(by_tenant.values()))
         if free <= 0:
             result.saturated = True
             return result
-        by_tenant: Counter = Counter()
-        by_endpoint: Counter = Counter()
-        for row in in_flight:
-            by_tenant[row["tenant_id"]] += row["n"]
-            by_endpoint[row["endpoint_id"]] += row["n"]
-        full_tenants = [t for t, n in by_tenant.items() if n >= limits.tenant_max_in_flight]
-        ceilings = dict(
-            Endpoint.objects.filter(
+        full_tenants = {t for t, n in by_tenant.items() if n >= limits.tenant_max_in_flight}
+        ceilings = {
+            str(e): c
+            for e, c in Endpoint.objects.filter(
                 id__in=list(by_endpoint), max_concurrency__isnull=False
             ).values_list("id", "max_concurrency")
-        )
-        full_endpoints = [
+        }
+        full_endpoints = {
             e
             for e, n in by_endpoint.items()
             if n >= ceilings.get(e, limits.endpoint_max_concurrency)
-        ]
+        }
+        slots = _Slots(limits, by_tenant, by_endpoint)
+        # Chunks of due rows, each scanned past the free slots so that tenants share
+        # it round-robin. A row held back fills its tenant or endpoint (ceiling reached,
+        # or no start token left): those leave the next chunk's scan, so rows they
+        # cannot take are read once per pass, not once per chunk. Rows admitted leave it
+        # too (they are no longer pending).
+        while free > 0:
+            chunk = min(2 * free, ADMISSION_CHUNK)
+            rows = _scan_due(now, list(full_tenants), list(full_endpoints), chunk)
+            slots.load_endpoints({r[2] for r in rows}, now)
+            chosen = slots.choose(rows, free)
+            result.held_back += len(rows) - len(chosen)
+            if chosen:
+                result.admitted += _enqueue(chosen, now)
+                free -= len(chosen)
+            if len(rows) < chunk:
+                break
+            full_tenants |= {r[1] for r in rows if slots.tenant_full(r[1])}
+            full_endpoints |= {r[2] for r in rows if slots.endpoint_full(r[2])}
+        _save_buckets(slots.buckets)
+    return result
 
-        candidates = Delivery.objects.filter(state=PENDING, next_attempt_at__lte=now)
-        if full_tenants:
-            candidates = candidates.exclude(tenant_id__in=full_tenants)
-        if full_endpoints:
-            candidates = candidates.exclude(endpoint_id__in=full_endpoints)
-        # Uses the partial index delivery_due. Scans past `free` so that rows of
-        # endpoints at their ceiling do not use up the page.
-        rows = list(
-            candidates.select_for_update(skip_locked=True)
-            .order_by("-priority", "next_attempt_at")
-            .values_list("id", "tenant_id", "endpoint_id", "priority")[: free * 2]
-        )
-        if not rows:
-            return result
-        endpoint_ids = {r[2] for r in rows}
-        endpoints = {
-            e["id"]: e
-            for e in Endpoint.objects.filter(id__in=endpoint_ids).values(
+
+# Rows one admission scan reads at most (it reads twice the free slots, up to this).
+ADMISSION_CHUNK = 256
+
+
+class _Slots:
+    """The ceilings of one admission pass, counting what it admits."""
+
+    def __init__(self, limits: Limits, by_tenant: Counter, by_endpoint: Counter) -> None:
+        self.limits = limits
+        self.by_tenant = by_tenant
+        self.by_endpoint = by_endpoint
+        self.endpoints: dict[str, dict] = {}
+        self.buckets: dict[str, _Bucket] = {}
+
+    def load_endpoints(self, ids: set[str], now: datetime) -> None:
+        new = ids - self.endpoints.keys()
+        if not new:
+            return
+        loaded = {
+            str(e["id"]): e
+            for e in Endpoint.objects.filter(id__in=new).values(
                 "id", "max_concurrency", "rate_limit"
             )
         }
-        buckets = _rate_buckets(endpoints.values(), now)
+        self.endpoints.update(loaded)
+        self.buckets.update({str(k): b for k, b in _rate_buckets(loaded.values(), now).items()})
 
-        chosen: list[tuple[uuid.UUID, int]] = []
+    def tenant_full(self, tenant_id: str) -> bool:
+        return self.by_tenant[tenant_id] >= self.limits.tenant_max_in_flight
+
+    def endpoint_full(self, endpoint_id: str) -> bool:
+        ceiling = (
+            self.endpoints[endpoint_id]["max_concurrency"] or self.limits.endpoint_max_concurrency
+        )
+        bucket = self.buckets.get(endpoint_id)
+        return self.by_endpoint[endpoint_id] >= ceiling or (
+            bucket is not None and bucket.tokens < 1
+        )
+
+    def choose(self, rows: list[tuple], free: int) -> list[str]:
+        """Up to ``free`` of ``rows``: tenants served round-robin, each tenant's rows in
+        priority and age order; the chosen ones count against the ceilings."""
+        chosen: list[str] = []
         queues: dict = defaultdict(deque)
         for row in rows:
             queues[row[1]].append(row)
-        # Round-robin over tenants, each tenant's rows already in priority/age order.
         while queues and len(chosen) < free:
             for tenant_id in list(queues):
-                row = queues[tenant_id].popleft()
+                delivery_id, _, endpoint_id, _ = queues[tenant_id].popleft()
                 if not queues[tenant_id]:
                     del queues[tenant_id]
-                delivery_id, _, endpoint_id, priority = row
-                ep = endpoints[endpoint_id]
-                ceiling = ep["max_concurrency"] or limits.endpoint_max_concurrency
-                bucket = buckets.get(endpoint_id)
-                if (
-                    by_tenant[tenant_id] >= limits.tenant_max_in_flight
-                    or by_endpoint[endpoint_id] >= ceiling
-                    or (bucket is not None and bucket.tokens < 1)
-                ):
-                    result.held_back += 1
+                if self.tenant_full(tenant_id) or self.endpoint_full(endpoint_id):
                     continue
-                by_tenant[tenant_id] += 1
-                by_endpoint[endpoint_id] += 1
+                self.by_tenant[tenant_id] += 1
+                self.by_endpoint[endpoint_id] += 1
+                bucket = self.buckets.get(endpoint_id)
                 if bucket is not None:
                     bucket.tokens -= 1
-                chosen.append((delivery_id, priority))
+                chosen.append(delivery_id)
                 if len(chosen) >= free:
                     break
-        if not chosen:
-            _save_buckets(buckets)
-            return result
+        return chosen
 
-        # The rows are locked by this transaction; the state guard is belt and braces.
-        result.admitted = _enqueue([c[0] for c in chosen], now)
-        _save_buckets(buckets)
-    return result
+
+_IN_FLIGHT_SQL = """
+SELECT tenant_id::text, endpoint_id::text, count(*) FROM deliveries_delivery
+WHERE state IN ('enqueued', 'leased') GROUP BY 1, 2
+"""
+
+# Due rows, highest priority and oldest first, leaving out saturated tenants and
+# endpoints. Uses the partial index delivery_due. No row locks: the admission lock
+# serialises schedulers, and the UPDATE in _enqueue re-checks the state, so a row that
+# changed since (cancelled, say) is skipped. (Locking the scan would write the header of
+# every scanned tuple, rows held back included.)
+_SCAN_DUE_SQL = """
+SELECT id::text, tenant_id::text, endpoint_id::text, priority FROM deliveries_delivery
+WHERE state = 'pending' AND next_attempt_at <= %(now)s
+    AND tenant_id <> ALL(%(tenants)s::uuid[]) AND endpoint_id <> ALL(%(endpoints)s::uuid[])
+ORDER BY priority DESC, next_attempt_at
+LIMIT %(limit)s
+"""
+
+
+def _in_flight() -> list[tuple[str, str, int]]:
+    """(tenant, endpoint, rows enqueued or leased), by the partial index delivery_in_flight."""
+    if connection.vendor == "postgresql":
+        with bound_cursor() as cursor:
+            cursor.execute(_IN_FLIGHT_SQL)
+            return cursor.fetchall()
+    return [
+        (str(r["tenant_id"]), str(r["endpoint_id"]), r["n"])
+        for r in Delivery.objects.filter(state__in=IN_FLIGHT)
+        .values("tenant_id", "endpoint_id")
+        .annotate(n=Count("id"))
+        .order_by()
+    ]
+
+
+def _scan_due(now, tenants: list[str], endpoints: list[str], limit: int) -> list[tuple]:
+    if connection.vendor == "postgresql":
+        with bound_cursor() as cursor:
+            cursor.execute(
+                _SCAN_DUE_SQL,
+                {"now": now, "tenants": tenants, "endpoints": endpoints, "limit": limit},
+            )
+            return cursor.fetchall()
+    candidates = Delivery.objects.filter(state=PENDING, next_attempt_at__lte=now)
+    if tenants:
+        candidates = candidates.exclude(tenant_id__in=tenants)
+    if endpoints:
+        candidates = candidates.exclude(endpoint_id__in=endpoints)
+    return [
+        (str(i), str(t), str(e), p)
+        for i, t, e, p in candidates.order_by("-priority", "next_attempt_at").values_list(
+            "id", "tenant_id", "endpoint_id", "priority"
+        )[:limit]
+    ]
 
 
 # pending → enqueued and one outbox row per delivery, in one statement. The message key
@@ -204,7 +283,7 @@ _ENQUEUE_SQL = """
 WITH admitted AS (
     UPDATE deliveries_delivery SET state = 'enqueued', enqueued_at = %(now)s,
         dispatch_count = dispatch_count + 1, updated_at = %(now)s
-    WHERE id = ANY(%(ids)s::uuid[]) AND state = 'pending'
+    WHERE id = ANY(%(ids)s::uuid[]) AND state = 'pending' AND next_attempt_at <= %(now)s
     RETURNING id, dispatch_count, priority
 )
 INSERT INTO deliveries_outbox (message_key, kind, ref_id, dispatch, priority, created_at)
@@ -214,12 +293,15 @@ FROM admitted
 """
 
 
-def _enqueue(ids: list[uuid.UUID], now: datetime) -> int:
+def _enqueue(ids: list[str], now: datetime) -> int:
     if connection.vendor == "postgresql":
         with bound_cursor() as cursor:
             cursor.execute(_ENQUEUE_SQL, {"ids": ids, "now": now})
-            return cursor.rowcount
-    Delivery.objects.filter(id__in=ids, state=PENDING).update(
+            admitted = cursor.rowcount
+        if admitted:
+            wakeup.notify(wakeup.OUTBOX)
+        return admitted
+    Delivery.objects.filter(id__in=ids, state=PENDING, next_attempt_at__lte=now).update(
         state=ENQUEUED, enqueued_at=now, dispatch_count=F("dispatch_count") + 1, updated_at=now
     )
     rows = Delivery.objects.filter(id__in=ids).values_list("id", "dispatch_count", "priority")
@@ -543,6 +625,8 @@ def record(
             failed=failing - succeeded_endpoints,
             gone=gone,
         )
+        if held:  # slots under the ceilings freed: the scheduler may admit more
+            wakeup.notify(wakeup.FREED)
     return summary
 
 

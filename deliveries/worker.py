@@ -41,7 +41,7 @@ from django.utils import timezone
 from project.metrics import ATTEMPTS
 
 from . import broker as transport
-from . import jobs, state
+from . import jobs, state, wakeup
 from .egress import EgressError, EgressSession
 from .faults import crash_point
 from .models import Endpoint, endpoint_timeout
@@ -50,6 +50,9 @@ from .services import active_secrets
 from .signing import signature_header
 
 logger = logging.getLogger("deliveries.worker")
+
+# With notifications, how often idle lanes still look (redeliveries are not announced).
+LISTEN_POLL = 1.0
 
 # Headers the protocol owns; an endpoint's custom headers cannot replace them.
 PROTOCOL_HEADERS = frozenset(
@@ -170,6 +173,8 @@ class Worker:
         self.egress = egress
         self.db = ThreadPoolExecutor(max_workers=lanes + 1, thread_name_prefix="worker-db")
         self.counts: Counter = Counter()
+        self.wake = asyncio.Event()
+        self.idle_wait: float | None = None  # set when notifications wake idle lanes
 
     async def _in_db(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.db, fn, *args)
@@ -309,15 +314,45 @@ class Worker:
         if own_session:
             self.egress = EgressSession()
             await self.egress.__aenter__()
+        listening = None if once or until_idle else self._listen()
         try:
             await asyncio.gather(
                 *(self._lane(stop, once, until_idle, idle_sleep) for _ in range(self.lanes))
             )
         finally:
+            if listening is not None:
+                stopped, thread = listening
+                stopped.set()
+                await asyncio.to_thread(thread.join, LISTEN_POLL + 1)
             if own_session:
                 await self.egress.close()
             close_thread_connections(self.db, self.lanes + 1)
         return self.counts
+
+    def _listen(self) -> tuple[threading.Event, threading.Thread] | None:
+        """With the database broker on PostgreSQL, a thread waits for the broker's
+        notifications and wakes idle lanes (deliveries.wakeup); they still poll every
+        LISTEN_POLL seconds for redeliveries, which nobody announces. Returns the event
+        that stops the thread, and the thread."""
+        if not (isinstance(self.broker, transport.DatabaseBroker) and wakeup.available()):
+            return None
+        loop = asyncio.get_running_loop()
+        stopped = threading.Event()
+
+        def listen() -> None:
+            listener = wakeup.Listener(wakeup.QUEUE)
+            try:
+                while not stopped.is_set():
+                    if listener.wait(LISTEN_POLL, stopped) and not stopped.is_set():
+                        loop.call_soon_threadsafe(self.wake.set)
+            finally:
+                listener.close()
+                _close_connection()
+
+        thread = threading.Thread(target=listen, name="worker-listen", daemon=True)
+        thread.start()
+        self.idle_wait = LISTEN_POLL
+        return stopped, thread
 
     async def _lane(
         self, stop: asyncio.Event, once: bool, until_idle: bool, idle_sleep: float
@@ -339,7 +374,8 @@ class Worker:
             if once or (until_idle and handled == 0):
                 return
             if handled == 0:
-                await _wait(stop, idle_sleep)
+                self.wake.clear()
+                await _wait_any(stop, self.wake, self.idle_wait or idle_sleep)
 
 
 def close_thread_connections(executor: ThreadPoolExecutor, threads: int) -> None:
@@ -367,3 +403,13 @@ def _close_connection() -> None:
 async def _wait(stop: asyncio.Event, seconds: float) -> None:
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(stop.wait(), timeout=seconds)
+
+
+async def _wait_any(stop: asyncio.Event, wake: asyncio.Event, seconds: float) -> None:
+    """Wait until ``stop`` or ``wake`` is set, or ``seconds`` pass."""
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(wake.wait())]
+    try:
+        await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()

@@ -32,12 +32,13 @@ def test_a_noisy_tenant_cannot_starve_a_quiet_one():
     fill(noisy, 300)
     fill(quiet, 1)
 
-    # The noisy tenant's older backlog fills its own share, then the scan skips it.
+    # The noisy tenant's older backlog fills its own share; the pass's next scan skips
+    # it and reaches the quiet tenant's row in the same pass.
     first = admit(page=50, tenant=20)
     second = admit(page=50, tenant=20)
 
-    assert first.admitted == 20
-    assert second.admitted == 1
+    assert first.admitted == 21
+    assert second.admitted == 0
     quiet_delivery = Delivery.objects.get(tenant=quiet)
     assert quiet_delivery.state == "enqueued"
     assert Delivery.objects.filter(tenant=noisy, state="enqueued").count() == 20
@@ -97,3 +98,15 @@ def test_not_yet_due_deliveries_wait():
     )
     assert admit().admitted == 0
     assert Delivery.objects.get().state == "pending"
+
+
+def test_rows_an_endpoint_at_its_ceiling_cannot_take_are_read_once_per_pass():
+    t = Tenant.objects.create(name="t")
+    fill(t, 600, max_concurrency=10)
+
+    first = admit(page=1000)
+    assert first.admitted == 10
+    # One chunk was read: the endpoint filled up in it and left the next scan.
+    assert first.held_back == state.ADMISSION_CHUNK - 10
+    # While it stays full, a pass reads none of its rows.
+    assert admit(page=1000).held_back == 0

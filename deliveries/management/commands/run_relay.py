@@ -1,7 +1,7 @@
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from deliveries import broker
+from deliveries import broker, wakeup
 from deliveries.loops import StopFlag, relay_tick, run_loop
 
 from ._loop import add_loop_arguments
@@ -24,5 +24,6 @@ class Command(BaseCommand):
             until_idle=until_idle,
             interval=settings.RELAY_INTERVAL,
             stop=stop,
+            listen=(wakeup.OUTBOX,),
         )
         self.stdout.write(" ".join(f"{k}={v}" for k, v in sorted(totals.items())) or "idle")

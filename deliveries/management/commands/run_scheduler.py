@@ -1,6 +1,7 @@
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
+from deliveries import wakeup
 from deliveries.loops import StopFlag, run_loop, scheduler_tick
 
 from ._loop import add_loop_arguments
@@ -25,5 +26,6 @@ class Command(BaseCommand):
             until_idle=until_idle,
             interval=settings.SCHEDULER_INTERVAL,
             stop=stop,
+            listen=(wakeup.FREED,),
         )
         self.stdout.write(" ".join(f"{k}={v}" for k, v in sorted(totals.items())) or "idle")

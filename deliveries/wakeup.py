@@ -1,0 +1,84 @@
+"""Wake-ups between the stages on PostgreSQL (LISTEN/NOTIFY).
+
+Each stage tells the next one that work is waiting, in the same transaction that wrote
+the work, so the notification arrives when the work is visible:
+
+* ``webhooks_outbox``: the scheduler wrote outbox rows; wakes the relay.
+* ``webhooks_queue``: the database broker enqueued messages; wakes the workers.
+* ``webhooks_freed``: the workers recorded attempts, freeing slots under the ceilings;
+  wakes the scheduler.
+
+A notification only shortens a wait: every loop still looks for work at its own interval,
+so a lost or coalesced notification (PostgreSQL folds identical ones within a transaction,
+and a listener that is reconnecting misses some) costs latency, never work. On SQLite
+and on other brokers there are no notifications and the loops poll.
+"""
+
+import contextlib
+import logging
+import threading
+
+from django.db import connection
+
+logger = logging.getLogger("deliveries")
+
+OUTBOX = "webhooks_outbox"
+QUEUE = "webhooks_queue"
+FREED = "webhooks_freed"
+
+
+def available() -> bool:
+    return connection.vendor == "postgresql"
+
+
+def notify(channel: str) -> None:
+    """Signal ``channel`` when the current transaction commits (at once in autocommit)."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(f"NOTIFY {channel}")
+
+
+class Listener:
+    """Waits for notifications on its own autocommit connection (a listening connection
+    must not sit inside a transaction). Without PostgreSQL it only sleeps."""
+
+    def __init__(self, *channels: str) -> None:
+        self.channels = channels
+        self._conn = None
+
+    def _connection(self):
+        if self._conn is None or self._conn.closed:
+            conn = connection.get_new_connection(connection.get_connection_params())
+            conn.autocommit = True
+            for channel in self.channels:
+                conn.execute(f"LISTEN {channel}")
+            self._conn = conn
+        return self._conn
+
+    def wait(self, timeout: float, stop: threading.Event) -> bool:
+        """Return True when notified within ``timeout`` seconds, False when the time ran
+        out (or ``stop`` was set: without notifications the wait is on ``stop``)."""
+        if connection.vendor != "postgresql" or timeout <= 0:
+            stop.wait(max(timeout, 0))
+            return False
+        try:
+            conn = self._connection()
+            got = any(True for _ in conn.notifies(timeout=timeout, stop_after=1))
+            if got:  # take whatever else is already here: one wake-up for a burst
+                for _ in conn.notifies(timeout=0):
+                    pass
+            return got
+        except Exception as exc:  # a listener problem must never stop the loop
+            logger.warning(
+                "listen connection failed; polling",
+                extra={"action": "wakeup.listen_failed", "error": str(exc)},
+            )
+            self.close()
+            stop.wait(timeout)
+            return False
+
+    def close(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._conn.close()
+            self._conn = None
