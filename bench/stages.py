@@ -188,7 +188,7 @@ def run_worker(n: int, lanes: int, batch_size: int | None, concurrency: int | No
         (broker, "receive"),
         (broker, "acknowledge"),
         (worker, "_claim"),
-        (worker, "_record"),
+        (worker, "_record_and_acknowledge"),
         (worker, "signature_header"),
         (worker, "active_secrets"),
         (state, "lease"),

@@ -9,11 +9,19 @@ class IngestConfig(AppConfig):
     verbose_name = "Inbound webhooks"
 
     def ready(self) -> None:
+        from django.db.models.signals import post_delete, post_save
+
         from deliveries import jobs
 
-        from .services import KIND, inbound_process, inbound_schedule
+        from .models import Source, SourceSecret
+        from .services import KIND, forget_sources, inbound_process, inbound_schedule
 
         jobs.register(jobs.JobKind(KIND, process=inbound_process, schedule=inbound_schedule))
+        for model in (Source, SourceSecret):
+            for signal in (post_save, post_delete):
+                signal.connect(
+                    forget_sources, sender=model, dispatch_uid=f"forget-{model.__name__}"
+                )
         # The application's handler modules (they register with @handler on import).
         for module in settings.INGEST_HANDLER_MODULES:
             import_module(module)

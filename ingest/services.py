@@ -22,7 +22,7 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django.core.cache import cache
 from django.db import IntegrityError, connection, transaction
-from django.db.models import F, Q
+from django.db.models import F
 from django.utils import timezone
 
 from deliveries.broker import Message
@@ -58,12 +58,43 @@ LOCK_BUSY_RETRY = 1.0
 # --- Sources --------------------------------------------------------------------------
 
 
+# The receive view's per-process cache of sources and their secrets: without it every
+# request spends two queries before its one write. A change made in this process (a
+# save or delete of a source or secret, admin included) clears it at once
+# (ingest.apps wires the signals); other processes see it within
+# INGEST_SOURCE_CACHE_SECONDS. Secrets are cached with their expiry and filtered at use,
+# so an expiring secret still stops on time.
+_SOURCE_CACHE: dict[str, tuple[float, Source | None]] = {}
+_SOURCE_CACHE_MAX = 1000  # unknown slugs are cached too; bounded against slug floods
+
+
 def source_for(slug: str) -> Source | None:
+    """The enabled source ``slug`` (None if unknown or disabled), with
+    ``accepted_content_types`` and ``cached_secrets`` [(secret, expires_at)] attached."""
+    ttl = settings.INGEST_SOURCE_CACHE_SECONDS
+    now = time.monotonic()
+    hit = _SOURCE_CACHE.get(slug)
+    if hit is not None and hit[0] > now:
+        return hit[1]
     source = Source.objects.filter(slug=slug, enabled=True).first()
     if source is not None:
         scheme = get_scheme(source.scheme, source.options or None)
         source.accepted_content_types = tuple(source.content_types or scheme.content_types)
+        source.cached_secrets = tuple(
+            SourceSecret.objects.filter(source=source)
+            .order_by("-created_at")
+            .values_list("secret", "expires_at")
+        )
+    if ttl > 0:
+        if len(_SOURCE_CACHE) >= _SOURCE_CACHE_MAX:
+            _SOURCE_CACHE.clear()
+        _SOURCE_CACHE[slug] = (now + ttl, source)
     return source
+
+
+def forget_sources(**_signal_kwargs) -> None:
+    """Empty this process's source cache (connected to Source/SourceSecret changes)."""
+    _SOURCE_CACHE.clear()
 
 
 def source_create(
@@ -131,12 +162,16 @@ class Received:
 
 
 def _live_secrets(source: Source, now: datetime) -> list[str]:
-    return list(
-        SourceSecret.objects.filter(source=source)
-        .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
-        .order_by("-created_at")
-        .values_list("secret", flat=True)
-    )
+    """The secrets not yet expired, newest first (from the cache when the source came
+    from ``source_for``)."""
+    secrets = getattr(source, "cached_secrets", None)
+    if secrets is None:
+        secrets = (
+            SourceSecret.objects.filter(source=source)
+            .order_by("-created_at")
+            .values_list("secret", "expires_at")
+        )
+    return [secret for secret, expires_at in secrets if expires_at is None or expires_at > now]
 
 
 def _stored_headers(headers) -> dict[str, str]:

@@ -75,7 +75,12 @@ SQLITE_PATH = str(env.path("SQLITE_PATH", default=str(VAR_DIR / "webhooks.sqlite
 if env.str("DATABASE_URL", default=""):
     DATABASES = {"default": env.db("DATABASE_URL")}
     DATABASES["default"].setdefault("CONN_MAX_AGE", env.int("DATABASE_CONN_MAX_AGE", default=60))
-    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+    # Before reusing a persistent connection, a request checks it (one round trip) so a
+    # database restart costs no failed request; off, the first request on a dead
+    # connection fails and the connection is replaced.
+    DATABASES["default"]["CONN_HEALTH_CHECKS"] = env.bool(
+        "DATABASE_CONN_HEALTH_CHECKS", default=True
+    )
 else:
     Path(SQLITE_PATH).parent.mkdir(parents=True, exist_ok=True)
     DATABASES = {
@@ -192,6 +197,8 @@ METRICS_ALLOW_IPS = env.list("METRICS_ALLOW_IPS", default=["127.0.0.1", "::1"])
 # --- Inbound ------------------------------------------------------------------------
 # Modules that register inbound handlers with @ingest.handlers.handler (imported at start).
 INGEST_HANDLER_MODULES = env.list("INGEST_HANDLER_MODULES", default=[])
+# How long a web process trusts its cached copy of a source and its secrets (0: no cache).
+INGEST_SOURCE_CACHE_SECONDS = env.float("INGEST_SOURCE_CACHE_SECONDS", default=5.0)
 
 # --- Queue transport (django-q2's broker interface) -----------------------------------
 QUEUE_VISIBILITY_TIMEOUT = env.int("QUEUE_VISIBILITY_TIMEOUT", default=90)

@@ -16,6 +16,15 @@ def _egress_allows_loopback(settings):
     settings.EGRESS_ALLOW_NETWORKS = ["127.0.0.0/8"]
 
 
+@pytest.fixture(autouse=True)
+def _fresh_source_cache():
+    # Each test's rows vanish with its rolled-back transaction, which sends no signal:
+    # start every test with the web process's source cache empty.
+    from ingest.services import forget_sources
+
+    forget_sources()
+
+
 @pytest.fixture
 def receiver():
     r = Receiver().start()

@@ -1,13 +1,16 @@
 """Receiving and processing inbound webhooks, on PostgreSQL with the real pipeline."""
 
+import hmac
 import json
 import threading
 import time
+import uuid
 from collections import Counter
 
 import pytest
 from django.db import connection
 from django.test import Client
+from django.utils import timezone
 
 from deliveries import services as delivery_services
 from deliveries.models import Delivery, Tenant
@@ -370,3 +373,36 @@ def test_refusals_are_a_prometheus_metric(stripe):
         metrics.content
     )
     assert Client(REMOTE_ADDR="203.0.113.9").get("/metrics").status_code == 403
+
+
+def test_the_source_cache_sees_changes_made_in_this_process_at_once(client, settings):
+    from ingest.models import SourceSecret
+
+    settings.INGEST_SOURCE_CACHE_SECONDS = 3600
+    source = source_create(slug="cached", scheme="github", secrets=["old"])
+    body = b'{"action": "opened"}'
+
+    def post(secret: str):
+        digest = hmac.new(secret.encode(), body, "sha256").hexdigest()
+        return client.post(
+            "/ingest/cached/",
+            body,
+            content_type="application/json",
+            HTTP_X_HUB_SIGNATURE_256=f"sha256={digest}",
+            HTTP_X_GITHUB_DELIVERY=str(uuid.uuid4()),
+            HTTP_X_GITHUB_EVENT="issues",
+        )
+
+    assert post("old").status_code == 200  # the source is now cached
+    # A secret saved here is used at once; one expiring is refused at its expiry, not
+    # at the cache's.
+    SourceSecret.objects.create(
+        source=source, secret="brief", expires_at=timezone.now() + timezone.timedelta(seconds=1)
+    )
+    assert post("brief").status_code == 200
+    time.sleep(1.1)
+    assert post("brief").status_code == 401
+    assert post("old").status_code == 200
+    source.enabled = False
+    source.save()
+    assert post("old").status_code == 404
