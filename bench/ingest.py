@@ -870,7 +870,10 @@ def parse_env(items: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--workers", type=int, default=3, help="GUNICORN_WORKERS (sync), both servers"
+        "--workers",
+        type=int,
+        default=2 * (os.cpu_count() or 1) + 1,
+        help="GUNICORN_WORKERS (sync), both servers; default: the product's, 2 x cores + 1",
     )
     parser.add_argument(
         "--step", type=float, default=None, help="ramp step, req/s (200, less on a slow box)"

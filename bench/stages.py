@@ -179,7 +179,13 @@ def run_relay(n: int) -> dict:
     return {"ticks": ticks}
 
 
-def run_worker(n: int, lanes: int, batch_size: int | None, concurrency: int | None) -> dict:
+def run_worker(
+    n: int,
+    lanes: int,
+    batch_size: int | None,
+    concurrency: int | None,
+    profile: Path | None = None,
+) -> dict:
     from deliveries import broker, state, worker
     from deliveries.egress import EgressSession
 
@@ -204,9 +210,18 @@ def run_worker(n: int, lanes: int, batch_size: int | None, concurrency: int | No
     async def main():
         return await w.run(stop=asyncio.Event(), until_idle=True)
 
+    profiler = None
+    if profile is not None:
+        import cProfile
+
+        profiler = cProfile.Profile()  # profiles this thread only: the event loop's
+        profiler.enable()
     try:
         counts = asyncio.run(main())
     finally:
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(profile)
         for mod, attr, fn in saved:
             setattr(mod, attr, fn)
         EgressSession.post = post
@@ -229,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-concurrency", type=int, default=None)
     parser.add_argument("--db-name", default="webhooks_bench")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="cProfile the worker's event-loop thread; write the stats here (pstats format)",
+    )
     args = parser.parse_args(argv)
     n = args.events
 
@@ -264,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         receiver.reset()
         result["worker"] = stage(
             "worker",
-            lambda: run_worker(n, args.lanes, args.batch_size, args.worker_concurrency),
+            lambda: run_worker(
+                n, args.lanes, args.batch_size, args.worker_concurrency, profile=args.profile
+            ),
             n,
         )
         got = receiver.counts()
