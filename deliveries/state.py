@@ -484,6 +484,37 @@ def _lease_portable(messages, *, now, until, token) -> list[tuple]:
         ] + [(d, None, None, None, "", b"", 0, 0, False) for d in disabled]
 
 
+# --- Workers: release (leased → pending) -----------------------------------------------
+
+
+def release(leases: Iterable[Leased], *, now: datetime) -> int:
+    """Give back leases a stopping worker still holds: ``leased → pending``, due now,
+    without counting the attempt.
+
+    ``lease`` counted the attempt in advance (so that a worker that dies mid-send leaves a
+    count); a worker shutting down on purpose takes that count back, so that the retry
+    budget is spent only on attempts that produced an outcome. A request cut off mid-way
+    may have reached the receiver: the next copy carries the same ``webhook-id``, which is
+    what the receiver deduplicates on. Guarded by the lease token like ``record``: a lease
+    that already ran out (and maybe went to another worker) is left alone.
+    """
+    by_token: dict[uuid.UUID, list[uuid.UUID]] = defaultdict(list)
+    for item in leases:
+        by_token[item.lease_token].append(item.id)
+    released = 0
+    with transaction.atomic():
+        for token, ids in by_token.items():
+            released += Delivery.objects.filter(id__in=ids, state=LEASED, lease_token=token).update(
+                state=PENDING,
+                next_attempt_at=now,
+                attempt_count=F("attempt_count") - 1,
+                policy_attempts=F("policy_attempts") - 1,
+                updated_at=now,
+                **_DONE,
+            )
+    return released
+
+
 # --- Workers: record (leased → succeeded | pending | dead) -----------------------------
 
 

@@ -14,6 +14,12 @@ Several batches run at once (``lanes``) so that the database work of one overlap
 network work of another. A worker that dies anywhere in this leaves either unacknowledged
 messages (redelivered after the visibility timeout) or a lease (returned by the
 scheduler when it runs out): late, never lost.
+
+Shutdown (SIGTERM): the lanes take no new batch; the requests in flight get
+``WORKER_SHUTDOWN_GRACE`` seconds to finish and are recorded as usual. Past the grace, the
+requests still running are cut off and their leases given back (``state.release``:
+pending, due now, the attempt not counted), in the transaction that records the rest, so
+nothing waits for a lease to run out.
 """
 
 import asyncio
@@ -131,21 +137,29 @@ def _run_job(job, messages) -> Counter:
 
 
 def _record_and_acknowledge(
-    results: list[state.AttemptResult], policy: RetryPolicy, broker, task_ids: list
-) -> state.RecordSummary:
-    """Record the batch, then acknowledge its messages. With the database broker both
-    happen in one transaction; with another broker the acknowledgement follows the
-    commit (a crash in between redelivers messages whose deliveries are already
-    recorded, which the lease guard skips)."""
+    results: list[state.AttemptResult],
+    policy: RetryPolicy,
+    broker,
+    task_ids: list,
+    released: list[state.Leased],
+) -> tuple[state.RecordSummary, int]:
+    """Record the batch, give back the leases of requests cut off by a shutdown, then
+    acknowledge its messages (a released delivery is dispatched again by the scheduler,
+    so its old message is spent). With the database broker all of it happens in one
+    transaction; with another broker the acknowledgement follows the commit (a crash in
+    between redelivers messages whose deliveries are already recorded, which the lease
+    guard skips)."""
     close_old_connections()
     same_database = isinstance(broker, transport.DatabaseBroker)
     with transaction.atomic():
-        summary = state.record(results, now=timezone.now(), policy=policy)
+        now = timezone.now()
+        summary = state.record(results, now=now, policy=policy)
+        returned = state.release(released, now=now) if released else 0
         if same_database:
             transport.acknowledge(broker, task_ids)
     if not same_database:
         transport.acknowledge(broker, task_ids)
-    return summary
+    return summary, returned
 
 
 class Worker:
@@ -157,6 +171,7 @@ class Worker:
         lanes: int = 4,
         broker=None,
         egress: EgressSession | None = None,
+        shutdown_grace: float | None = None,
     ) -> None:
         self.batch_size = batch_size or settings.WORKER_BATCH_SIZE
         self.lanes = lanes
@@ -170,6 +185,18 @@ class Worker:
         self.egress = egress
         self.db = ThreadPoolExecutor(max_workers=lanes + 1, thread_name_prefix="worker-db")
         self.counts: Counter = Counter()
+        self.shutdown_grace = (
+            settings.WORKER_SHUTDOWN_GRACE if shutdown_grace is None else shutdown_grace
+        )
+        # Set when the shutdown grace has run out: requests still in flight are cut off.
+        self.abandon = asyncio.Event()
+
+    def request_stop(self, stop: asyncio.Event) -> None:
+        """A signal: the first stops taking work (in-flight requests get the grace); a
+        second one cuts them off at once."""
+        if stop.is_set():
+            self.abandon.set()
+        stop.set()
 
     async def _in_db(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.db, fn, *args)
@@ -212,15 +239,13 @@ class Worker:
 
     async def _deliver(self, messages: list[tuple[object, str]], claimed: "Claimed") -> None:
         crash_point("worker.after_lease")
-        results = await asyncio.gather(
-            *(self._send(item, claimed.targets[item.endpoint_id]) for item in claimed.leased)
-        )
+        results, released = await self._send_all(claimed.leased, claimed.targets)
         crash_point("worker.after_send")
         task_ids = [task_id for task_id, _ in messages]
         for outcome, n in Counter(str(r.classification.outcome) for r in results).items():
             ATTEMPTS.labels(outcome).inc(n)
-        summary = await self._in_db_retrying(
-            _record_and_acknowledge, list(results), self.policy, self.broker, task_ids
+        summary, returned = await self._in_db_retrying(
+            _record_and_acknowledge, results, self.policy, self.broker, task_ids, released
         )
         self.counts.update(
             messages=len(messages),
@@ -229,12 +254,53 @@ class Worker:
             retrying=summary.retrying,
             dead=summary.dead,
             stale=summary.stale,
+            released=returned,
         )
+        if released:
+            logger.warning(
+                "shutdown grace ran out: leases released",
+                extra={
+                    "action": "workers.released",
+                    "released": returned,
+                    "delivery_ids": [str(item.id) for item in released[:50]],
+                },
+            )
         for endpoint_id in summary.disabled_endpoints:
             logger.warning(
                 "endpoint disabled",
                 extra={"action": "endpoint.disabled", "endpoint_id": str(endpoint_id)},
             )
+
+    async def _send_all(
+        self, leased: list[state.Leased], targets: dict
+    ) -> tuple[list[state.AttemptResult], list[state.Leased]]:
+        """Send every request concurrently until all are answered or the shutdown grace
+        runs out; returns the results and the leases whose request was cut off (or never
+        started)."""
+        if self.abandon.is_set():
+            return [], list(leased)
+        tasks = [
+            asyncio.create_task(self._send(item, targets[item.endpoint_id])) for item in leased
+        ]
+        if not tasks:
+            return [], []
+        abandon = asyncio.create_task(self.abandon.wait())
+        pending: set = set(tasks)
+        try:
+            while pending and not abandon.done():
+                _, pending = await asyncio.wait(
+                    pending | {abandon}, return_when=asyncio.FIRST_COMPLETED
+                )
+                pending.discard(abandon)
+        finally:
+            abandon.cancel()
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+        results = [task.result() for task in tasks if not task.cancelled()]
+        released = [item for item, task in zip(leased, tasks, strict=True) if task.cancelled()]
+        return results, released
 
     async def _send(self, item: state.Leased, target: Target) -> state.AttemptResult:
         msg_id = str(item.id)
@@ -309,15 +375,26 @@ class Worker:
         if own_session:
             self.egress = EgressSession()
             await self.egress.__aenter__()
+        grace = asyncio.create_task(self._abandon_after_grace(stop))
         try:
             await asyncio.gather(
                 *(self._lane(stop, once, until_idle, idle_sleep) for _ in range(self.lanes))
             )
         finally:
+            grace.cancel()
             if own_session:
                 await self.egress.close()
             close_thread_connections(self.db, self.lanes + 1)
         return self.counts
+
+    async def _abandon_after_grace(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        logger.info(
+            "stopping: requests in flight get the grace period",
+            extra={"action": "workers.stopping", "grace": self.shutdown_grace},
+        )
+        await _wait(self.abandon, self.shutdown_grace)
+        self.abandon.set()
 
     async def _lane(
         self, stop: asyncio.Event, once: bool, until_idle: bool, idle_sleep: float

@@ -5,6 +5,7 @@ type. The README's "Settings" table documents each one; ``deliveries/checks.py``
 misconfiguration into a system-check error with a stable id instead of a surprise later.
 """
 
+import importlib.util
 from pathlib import Path
 
 import environ
@@ -35,6 +36,10 @@ INSTALLED_APPS = [
     "deliveries",
     "ingest",
 ]
+# Development only (requirements/dev.txt): `manage.py lintmigrations`, run by `make test`,
+# refuses backward-incompatible migrations (docs/compatibility.md).
+if importlib.util.find_spec("django_migration_linter") is not None:
+    INSTALLED_APPS.append("django_migration_linter")
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
@@ -179,6 +184,9 @@ RELAY_INTERVAL = env.float("RELAY_INTERVAL", default=0.5)
 WORKER_BATCH_SIZE = env.int("WORKER_BATCH_SIZE", default=200)
 WORKER_CONCURRENCY = env.int("WORKER_CONCURRENCY", default=512)
 WORKER_IDLE_SLEEP = env.float("WORKER_IDLE_SLEEP", default=0.05)
+# Seconds a stopping worker lets its requests in flight run before it cuts them off and
+# gives their leases back. Keep it under the process manager's stop timeout.
+WORKER_SHUTDOWN_GRACE = env.float("WORKER_SHUTDOWN_GRACE", default=25.0)
 
 # Crash-boundary fault injection for tests and the soak: the name of a point in
 # deliveries/faults.py at which the process kills itself. Empty in production.
