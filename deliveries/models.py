@@ -12,6 +12,7 @@ from django.db import models
 from django.db.models import Q
 
 from .egress import ErrorKind
+from .timezones import validate_time_zone
 
 ERROR_KIND_CHOICES = [("", "None")] + [
     (k.value, k.value.replace("_", " ").title()) for k in ErrorKind
@@ -23,6 +24,16 @@ class Tenant(models.Model):
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     name = models.CharField(max_length=200, unique=True)
+    # Where the tenant's "every day at 09:00" is read (deliveries.timezones); everything
+    # the service stores and schedules is UTC. db_default: rows inserted by code that
+    # predates the column still get a value (expand-contract, docs/compatibility.md).
+    time_zone = models.CharField(
+        max_length=64,
+        default="UTC",
+        db_default="UTC",
+        validators=[validate_time_zone],
+        help_text="IANA time zone name, e.g. Europe/Berlin.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:
