@@ -139,6 +139,9 @@ class Event(models.Model):
     # SHA-256 of the create request that carried the idempotency key: the same key with
     # a different request is refused (422).
     request_hash = models.CharField(max_length=64, blank=True)
+    # W3C traceparent of the publish span, when tracing is on (deliveries/tracing.py): the
+    # relay and the workers continue that trace. db_default: older writers still insert.
+    trace_context = models.CharField(max_length=128, blank=True, default="", db_default="")
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
 
     class Meta:

@@ -2,6 +2,7 @@
 commands and the application's own code. Delivery state changes themselves live in
 ``deliveries/state.py``; these functions compose them with validation and bookkeeping."""
 
+import contextlib
 import hashlib
 import json
 import secrets
@@ -16,7 +17,7 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from . import state
+from . import state, tracing
 from .models import ApiKey, AuditEntry, Delivery, Endpoint, EndpointSecret, Event, Tenant
 from .signing import generate_secret
 from .timezones import validate_time_zone
@@ -86,7 +87,15 @@ def publish_event(
             code="invalid_deliver_at",
         )
     now = timezone.now()
-    with transaction.atomic():
+    span = (
+        tracing.start_span("webhooks.publish", event_type=event_type, tenant_id=str(tenant_id))
+        if tracing.enabled()
+        else None
+    )
+    with (
+        tracing.use_span(span) if span is not None else contextlib.nullcontext(),
+        transaction.atomic(),
+    ):
         event = Event.objects.create(
             tenant_id=tenant_id,
             event_type=event_type,
@@ -96,6 +105,7 @@ def publish_event(
             priority=priority,
             idempotency_key=idempotency_key,
             request_hash=request_hash,
+            trace_context=tracing.traceparent_of(span) if span is not None else "",
         )
         endpoints = Endpoint.objects.filter(tenant_id=tenant_id, enabled=True).only(
             "id", "event_types"
@@ -115,6 +125,8 @@ def publish_event(
                 if endpoint_ids is not None or endpoint.subscribes_to(event_type)
             ]
         )
+        if span is not None:
+            span.set_attribute("webhooks.event_id", str(event.id))
     return event
 
 

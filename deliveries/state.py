@@ -358,6 +358,8 @@ class Leased:
     attempt_number: int
     policy_attempts: int
     lease_token: uuid.UUID
+    # The event's W3C traceparent ("" unless tracing was on at publish).
+    trace_context: str = ""
 
 
 def lease(
@@ -392,6 +394,7 @@ def lease(
             attempt_number=r[6],
             policy_attempts=r[7],
             lease_token=token,
+            trace_context=r[9] or "",
         )
         for r in rows
         if r[8]
@@ -422,7 +425,7 @@ UPDATE deliveries_delivery d SET
 FROM locked, deliveries_event e, deliveries_endpoint ep
 WHERE d.id = locked.id AND e.id = d.event_id AND ep.id = d.endpoint_id
 RETURNING d.id, d.event_id, d.endpoint_id, d.tenant_id, e.event_type, e.body,
-    d.attempt_count, d.policy_attempts, ep.enabled
+    d.attempt_count, d.policy_attempts, ep.enabled, e.trace_context
 """
 
 
@@ -470,7 +473,7 @@ def _lease_portable(messages, *, now, until, token) -> list[tuple]:
             updated_at=now,
         )
         return [
-            (*r, True)
+            (*r[:8], True, r[8])
             for r in Delivery.objects.filter(id__in=live).values_list(
                 "id",
                 "event_id",
@@ -480,8 +483,9 @@ def _lease_portable(messages, *, now, until, token) -> list[tuple]:
                 "event__body",
                 "attempt_count",
                 "policy_attempts",
+                "event__trace_context",
             )
-        ] + [(d, None, None, None, "", b"", 0, 0, False) for d in disabled]
+        ] + [(d, None, None, None, "", b"", 0, 0, False, "") for d in disabled]
 
 
 # --- Workers: release (leased → pending) -----------------------------------------------

@@ -31,7 +31,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from django.conf import settings
@@ -47,7 +47,7 @@ from django.utils import timezone
 from project.metrics import ATTEMPTS
 
 from . import broker as transport
-from . import jobs, state
+from . import jobs, state, tracing
 from .egress import EgressError, EgressSession
 from .faults import crash_point
 from .models import Endpoint, endpoint_timeout
@@ -101,7 +101,17 @@ def _take(broker, batch_size: int, lease_seconds: float) -> Taken:
     received = transport.receive(broker, batch_size)
     messages, others = [], {}
     for task_id, payload in received:
-        m = transport.Message.decode(payload)
+        try:
+            m = transport.Message.decode(payload)
+        except transport.UnreadableMessage as exc:
+            # Left unacknowledged: a release that reads it takes it after the visibility
+            # timeout; meanwhile the scheduler's lost-dispatch sweep re-dispatches its
+            # delivery in a format this release writes (docs/compatibility.md).
+            logger.error(
+                "unreadable queue message",
+                extra={"action": "workers.unreadable_message", "error": str(exc)},
+            )
+            continue
         if m.kind == "delivery":
             messages.append((task_id, m))
         else:
@@ -239,6 +249,13 @@ class Worker:
 
     async def _deliver(self, messages: list[tuple[object, str]], claimed: "Claimed") -> None:
         crash_point("worker.after_lease")
+        if tracing.enabled():
+            # The relay's span, carried by the message, is the parent of the attempt's.
+            parents = {m.job_id: m.traceparent for _, m in messages if m.traceparent}
+            claimed.leased = [
+                replace(item, trace_context=parents.get(item.id) or item.trace_context)
+                for item in claimed.leased
+            ]
         results, released = await self._send_all(claimed.leased, claimed.targets)
         crash_point("worker.after_send")
         task_ids = [task_id for task_id, _ in messages]
@@ -303,6 +320,31 @@ class Worker:
         return results, released
 
     async def _send(self, item: state.Leased, target: Target) -> state.AttemptResult:
+        if not tracing.enabled():
+            return await self._attempt(item, target)
+        # The traceparent is not sent to the receiver: trace ids stay inside the service.
+        span = tracing.start_span(
+            "webhooks.deliver",
+            parent=item.trace_context,
+            kind="CLIENT",
+            delivery_id=str(item.id),
+            event_id=str(item.event_id),
+            endpoint_id=str(item.endpoint_id),
+            event_type=item.event_type,
+            attempt=item.attempt_number,
+        )
+        outcome = "released"  # cut off by a shutdown unless a result comes back
+        try:
+            result = await self._attempt(item, target)
+            outcome = str(result.classification.outcome)
+            if result.status_code is not None:
+                span.set_attribute("http.response.status_code", result.status_code)
+            return result
+        finally:
+            span.set_attribute("webhooks.outcome", outcome)
+            span.end()
+
+    async def _attempt(self, item: state.Leased, target: Target) -> state.AttemptResult:
         msg_id = str(item.id)
         timestamp = int(time.time())
         headers = {

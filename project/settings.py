@@ -197,6 +197,14 @@ FAULT_INJECT_AT = env.str("FAULT_INJECT_AT", default="")
 METRICS_TOKEN = env.str("METRICS_TOKEN", default="")
 METRICS_ALLOW_IPS = env.list("METRICS_ALLOW_IPS", default=["127.0.0.1", "::1"])
 
+# --- Tracing (optional: requirements/otel.txt) ----------------------------------------
+# Off by default; deliveries/tracing.py. A tracer provider the host set up already
+# (opentelemetry-instrument) is used as it is; else one with OTEL_TRACES_EXPORTER
+# ("otlp", which needs opentelemetry-exporter-otlp-proto-http, or "console").
+OTEL_TRACING = env.bool("OTEL_TRACING", default=False)
+OTEL_SERVICE_NAME = env.str("OTEL_SERVICE_NAME", default="trusty-webhooks")
+OTEL_TRACES_EXPORTER = env.str("OTEL_TRACES_EXPORTER", default="otlp")
+
 # --- Inbound ------------------------------------------------------------------------
 # Modules that register inbound handlers with @ingest.handlers.handler (imported at start).
 INGEST_HANDLER_MODULES = env.list("INGEST_HANDLER_MODULES", default=[])
