@@ -23,6 +23,7 @@ import logging
 from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 
 logger = logging.getLogger("deliveries.tracing")
 
@@ -72,14 +73,25 @@ def configure() -> None:
         provider = TracerProvider(
             resource=Resource.create({"service.name": settings.OTEL_SERVICE_NAME})
         )
-        if settings.OTEL_TRACES_EXPORTER == "otlp":
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        elif settings.OTEL_TRACES_EXPORTER == "console":
-            provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+        provider.add_span_processor(BatchSpanProcessor(_exporter(ConsoleSpanExporter)))
         trace.set_tracer_provider(provider)
     install(provider)
+
+
+def _exporter(console):
+    name = settings.OTEL_TRACES_EXPORTER
+    if name == "console":
+        return console()
+    if name != "otlp":
+        raise ImproperlyConfigured(f"OTEL_TRACES_EXPORTER must be otlp or console, not {name!r}")
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    except ImportError as exc:
+        raise ImproperlyConfigured(
+            "OTEL_TRACES_EXPORTER=otlp needs the opentelemetry-exporter-otlp-proto-http "
+            "package (or set OTEL_TRACES_EXPORTER=console, or OTEL_TRACING=0)"
+        ) from exc
+    return OTLPSpanExporter()
 
 
 def _parent(traceparent: str):

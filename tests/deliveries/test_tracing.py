@@ -99,3 +99,16 @@ def test_tracing_off_captures_nothing(tenant, receiver):
     assert Event.objects.get().trace_context == ""
     run_workers()
     assert Delivery.objects.get().state == "succeeded"
+
+
+def test_configure_is_off_by_default_and_refuses_an_unknown_exporter(settings):
+    from django.core.exceptions import ImproperlyConfigured
+
+    settings.OTEL_TRACING = False
+    tracing.configure()
+    assert not tracing.enabled()
+    settings.OTEL_TRACING = True
+    settings.OTEL_TRACES_EXPORTER = "carrier-pigeon"
+    with pytest.raises(ImproperlyConfigured, match="otlp or console"):
+        tracing.configure()
+    assert not tracing.enabled()
