@@ -271,9 +271,9 @@ class Worker:
             retrying=summary.retrying,
             dead=summary.dead,
             stale=summary.stale,
-            released=returned,
         )
         if released:
+            self.counts["released"] += returned
             logger.warning(
                 "shutdown grace ran out: leases released",
                 extra={
