@@ -12,7 +12,7 @@ $(VENV)/.base-installed: requirements/base.txt
 	$(PY) -m pip install -q -r requirements/base.txt
 	touch $@
 
-$(VENV)/.dev-installed: requirements/dev.txt requirements/base.txt
+$(VENV)/.dev-installed: requirements/dev.txt requirements/otel.txt requirements/base.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements/dev.txt
 	touch $(VENV)/.base-installed $@
@@ -22,8 +22,8 @@ $(VENV)/.dev-installed: requirements/dev.txt requirements/base.txt
 run: $(VENV)/.base-installed
 	$(PY) scripts/run_demo.py
 
-## make test: lint, Django checks, migrations check, the whole suite on PostgreSQL and
-## a smoke run on SQLite.
+## make test: lint, Django checks, migrations check, the migration linter (no
+## backward-incompatible migration), the whole suite on PostgreSQL and a smoke run on SQLite.
 test: $(VENV)/.dev-installed
 	@set -e; \
 	export DATABASE_URL="$$(scripts/ensure_postgres.sh)"; \
@@ -36,6 +36,8 @@ test: $(VENV)/.dev-installed
 	  SECURE_HSTS_SECONDS=31536000 SECURE_HSTS_INCLUDE_SUBDOMAINS=1 SECURE_HSTS_PRELOAD=1 \
 	  ALLOWED_HOSTS=example.com $(PY) manage.py check --deploy --fail-level WARNING; \
 	echo "== migrations"; $(PY) manage.py makemigrations --check --dry-run; \
+	echo "== migration linter (backward compatibility)"; \
+	  LOG_LEVEL=WARNING $(PY) manage.py lintmigrations --quiet ok ignore; \
 	echo "== OpenAPI schema"; $(PY) manage.py spectacular --validate --fail-on-warn >/dev/null; \
 	echo "== pytest (PostgreSQL)"; $(VENV)/bin/pytest $(PYTEST_ARGS)
 

@@ -535,7 +535,7 @@ class EndpointAdmin(admin.ModelAdmin):
 
 @admin.register(Tenant)
 class TenantAdmin(admin.ModelAdmin):
-    list_display = ["name", "id", "created_at"]
+    list_display = ["name", "id", "time_zone", "created_at"]
     search_fields = ["name"]
     actions = ["create_api_key"]
 

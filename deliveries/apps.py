@@ -6,4 +6,9 @@ class DeliveriesConfig(AppConfig):
     verbose_name = "Outbound webhooks"
 
     def ready(self) -> None:
-        from . import checks  # noqa: F401  (registers the system checks)
+        from . import (
+            checks,  # noqa: F401  (registers the system checks)
+            tracing,
+        )
+
+        tracing.configure()

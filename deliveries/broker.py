@@ -29,6 +29,19 @@ from . import wakeup
 from .models import QueueMessage
 from .sql import bound_cursor
 
+# The queue message format. Writers write MESSAGE_VERSION; readers read every version in
+# READABLE_VERSIONS, because a queue drains across deploys: a message written by the
+# previous release may be read by this one (docs/compatibility.md keeps the matrix).
+#   1: {"d": job id hex, "n": dispatch, "p": priority, "k"?: kind}  (no "v" key)
+#   2: version 1 + "v": 2 and "tp"?: a W3C traceparent (deliveries/tracing.py)
+MESSAGE_VERSION = 2
+READABLE_VERSIONS = frozenset({1, 2})
+
+
+class UnreadableMessage(ValueError):
+    """A message this release cannot read: a newer format (a rollback left it in the
+    queue) or garbage. The worker leaves it unacknowledged for a release that can."""
+
 
 @dataclass(frozen=True)
 class Message:
@@ -39,22 +52,37 @@ class Message:
     dispatch: int
     priority: int = 0
     kind: str = "delivery"
+    traceparent: str = ""
+    version: int = MESSAGE_VERSION
 
     def encode(self) -> str:
-        data = {"d": self.job_id.hex, "n": self.dispatch, "p": self.priority}
+        data = {"v": MESSAGE_VERSION, "d": self.job_id.hex, "n": self.dispatch, "p": self.priority}
         if self.kind != "delivery":
             data["k"] = self.kind
+        if self.traceparent:
+            data["tp"] = self.traceparent
         return json.dumps(data)
 
     @classmethod
     def decode(cls, payload: str | bytes) -> "Message":
-        data = json.loads(payload)
-        return cls(
-            uuid.UUID(data["d"]),
-            int(data["n"]),
-            int(data.get("p", 0)),
-            data.get("k", "delivery"),
-        )
+        try:
+            data = json.loads(payload)
+            version = int(data.get("v", 1))
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise UnreadableMessage(f"not a queue message: {exc}") from exc
+        if version not in READABLE_VERSIONS:
+            raise UnreadableMessage(f"message format version {version} is not readable here")
+        try:
+            return cls(
+                uuid.UUID(data["d"]),
+                int(data["n"]),
+                int(data.get("p", 0)),
+                data.get("k", "delivery"),
+                str(data.get("tp", "")) if version >= 2 else "",
+                version,
+            )
+        except (KeyError, ValueError, TypeError) as exc:
+            raise UnreadableMessage(f"version {version} message without {exc}") from exc
 
 
 _DEQUEUE_SQL = """

@@ -44,6 +44,8 @@ def check_delivery_settings(app_configs, **kwargs):
                 id="deliveries.E005",
             )
         )
+    if settings.WORKER_SHUTDOWN_GRACE < 0:
+        errors.append(Error("WORKER_SHUTDOWN_GRACE must not be negative.", id="deliveries.E020"))
     try:
         import_string(settings.QUEUE_BROKER_CLASS)
     except ImportError:

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 from django.conf import settings
@@ -31,7 +31,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from . import broker as transport
-from . import jobs, state, wakeup
+from . import jobs, state, tracing, wakeup
 from .faults import crash_point
 from .models import Delivery, LoopRun, Outbox
 from .policy import RetryPolicy
@@ -112,7 +112,20 @@ def relay_tick(*, page_size: int | None = None, b=None) -> Tick:
         tick.idle = not Outbox.objects.filter(published_at__isnull=True).exists()
         return tick
     crash_point("relay.before_publish")
-    transport.publish(b, [transport.Message(r[1], r[2], r[3], r[4]) for r in rows])
+    messages = [transport.Message(r[1], r[2], r[3], r[4]) for r in rows]
+    spans = _relay_spans(messages) if tracing.enabled() else {}
+    if spans:
+        messages = [
+            replace(m, traceparent=tracing.traceparent_of(spans[m.job_id]))
+            if m.job_id in spans
+            else m
+            for m in messages
+        ]
+    try:
+        transport.publish(b, messages)
+    finally:
+        for span in spans.values():
+            span.end()
     crash_point("relay.after_publish")
     Outbox.objects.filter(id__in=[r[0] for r in rows], published_at__isnull=True).update(
         published_at=timezone.now()
@@ -121,6 +134,28 @@ def relay_tick(*, page_size: int | None = None, b=None) -> Tick:
     tick.busy = len(rows) >= page_size
     tick.soon = True
     return tick
+
+
+def _relay_spans(messages: list) -> dict:
+    """One ``webhooks.relay`` span per delivery published, continuing the trace its
+    event was published in (tracing on only: one extra query per page)."""
+    ids = [m.job_id for m in messages if m.kind == state.DELIVERY_KIND]
+    contexts = dict(
+        Delivery.objects.filter(id__in=ids)
+        .exclude(event__trace_context="")
+        .values_list("id", "event__trace_context")
+    )
+    return {
+        m.job_id: tracing.start_span(
+            "webhooks.relay",
+            parent=contexts[m.job_id],
+            kind="PRODUCER",
+            delivery_id=str(m.job_id),
+            dispatch=m.dispatch,
+        )
+        for m in messages
+        if m.job_id in contexts
+    }
 
 
 _CLAIM_OUTBOX_SQL = """

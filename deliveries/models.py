@@ -12,6 +12,7 @@ from django.db import models
 from django.db.models import Q
 
 from .egress import ErrorKind
+from .timezones import validate_time_zone
 
 ERROR_KIND_CHOICES = [("", "None")] + [
     (k.value, k.value.replace("_", " ").title()) for k in ErrorKind
@@ -23,6 +24,16 @@ class Tenant(models.Model):
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     name = models.CharField(max_length=200, unique=True)
+    # Where the tenant's "every day at 09:00" is read (deliveries.timezones); everything
+    # the service stores and schedules is UTC. db_default: rows inserted by code that
+    # predates the column still get a value (expand-contract, docs/compatibility.md).
+    time_zone = models.CharField(
+        max_length=64,
+        default="UTC",
+        db_default="UTC",
+        validators=[validate_time_zone],
+        help_text="IANA time zone name, e.g. Europe/Berlin.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:
@@ -128,6 +139,9 @@ class Event(models.Model):
     # SHA-256 of the create request that carried the idempotency key: the same key with
     # a different request is refused (422).
     request_hash = models.CharField(max_length=64, blank=True)
+    # W3C traceparent of the publish span, when tracing is on (deliveries/tracing.py): the
+    # relay and the workers continue that trace. db_default: older writers still insert.
+    trace_context = models.CharField(max_length=128, blank=True, default="", db_default="")
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
 
     class Meta:

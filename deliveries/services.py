@@ -2,6 +2,7 @@
 commands and the application's own code. Delivery state changes themselves live in
 ``deliveries/state.py``; these functions compose them with validation and bookkeeping."""
 
+import contextlib
 import hashlib
 import json
 import secrets
@@ -11,13 +12,15 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import IntegrityError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from . import state
+from . import state, tracing
 from .models import ApiKey, AuditEntry, Delivery, Endpoint, EndpointSecret, Event, Tenant
 from .signing import generate_secret
+from .timezones import validate_time_zone
 
 
 class DomainError(Exception):
@@ -64,8 +67,11 @@ def publish_event(
     scheduler will find them however the process ends. Nothing is sent from here.
 
     ``priority``: higher is sent first when there is a backlog (a password email before
-    a bulk export). ``deliver_at``: not before this time. ``endpoint_ids``: exactly these
-    of the tenant's enabled endpoints, whatever their event-type filters (a test event).
+    a bulk export). ``deliver_at``: an aware datetime; the deliveries are not admitted
+    before it (a past time means now). For "09:00 in the tenant's time zone" pass
+    ``deliveries.timezones.next_local_time(tenant.time_zone, time(9))``. ``endpoint_ids``:
+    exactly these of the tenant's enabled endpoints, whatever their event-type filters (a
+    test event).
     """
     tenant_id = tenant.id if isinstance(tenant, Tenant) else tenant
     body = encode_payload(payload)
@@ -75,8 +81,21 @@ def publish_event(
         )
     if not event_type or len(event_type) > 200:
         raise DomainError("event_type must be 1 to 200 characters", code="invalid_event_type")
+    if deliver_at is not None and timezone.is_naive(deliver_at):
+        raise DomainError(
+            "deliver_at needs a time zone (an aware datetime); the service runs on UTC",
+            code="invalid_deliver_at",
+        )
     now = timezone.now()
-    with transaction.atomic():
+    span = (
+        tracing.start_span("webhooks.publish", event_type=event_type, tenant_id=str(tenant_id))
+        if tracing.enabled()
+        else None
+    )
+    with (
+        tracing.use_span(span) if span is not None else contextlib.nullcontext(),
+        transaction.atomic(),
+    ):
         event = Event.objects.create(
             tenant_id=tenant_id,
             event_type=event_type,
@@ -86,6 +105,7 @@ def publish_event(
             priority=priority,
             idempotency_key=idempotency_key,
             request_hash=request_hash,
+            trace_context=tracing.traceparent_of(span) if span is not None else "",
         )
         endpoints = Endpoint.objects.filter(tenant_id=tenant_id, enabled=True).only(
             "id", "event_types"
@@ -105,6 +125,8 @@ def publish_event(
                 if endpoint_ids is not None or endpoint.subscribes_to(event_type)
             ]
         )
+        if span is not None:
+            span.set_attribute("webhooks.event_id", str(event.id))
     return event
 
 
@@ -195,11 +217,15 @@ def api_keys_revoke(*, key_ids: Iterable[int], actor=None) -> int:
     return n
 
 
-def tenant_create(*, name: str) -> tuple[Tenant, str]:
+def tenant_create(*, name: str, time_zone: str = "UTC") -> tuple[Tenant, str]:
+    try:
+        validate_time_zone(time_zone)
+    except ValidationError as exc:
+        raise DomainError(exc.messages[0], code="invalid_time_zone") from exc
     with transaction.atomic():
         try:
             with transaction.atomic():
-                tenant = Tenant.objects.create(name=name)
+                tenant = Tenant.objects.create(name=name, time_zone=time_zone)
         except IntegrityError as exc:
             raise DomainError(f"a tenant named {name!r} exists already", code="exists") from exc
         _, key = api_key_create(tenant=tenant, name="default")

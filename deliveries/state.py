@@ -440,6 +440,8 @@ class Leased:
     attempt_number: int
     policy_attempts: int
     lease_token: uuid.UUID
+    # The event's W3C traceparent ("" unless tracing was on at publish).
+    trace_context: str = ""
 
 
 def lease(
@@ -474,6 +476,7 @@ def lease(
             attempt_number=r[6],
             policy_attempts=r[7],
             lease_token=token,
+            trace_context=r[9] or "",
         )
         for r in rows
         if r[8]
@@ -504,7 +507,7 @@ UPDATE deliveries_delivery d SET
 FROM locked, deliveries_event e, deliveries_endpoint ep
 WHERE d.id = locked.id AND e.id = d.event_id AND ep.id = d.endpoint_id
 RETURNING d.id, d.event_id, d.endpoint_id, d.tenant_id, e.event_type, e.body,
-    d.attempt_count, d.policy_attempts, ep.enabled
+    d.attempt_count, d.policy_attempts, ep.enabled, e.trace_context
 """
 
 
@@ -552,7 +555,7 @@ def _lease_portable(messages, *, now, until, token) -> list[tuple]:
             updated_at=now,
         )
         return [
-            (*r, True)
+            (*r[:8], True, r[8])
             for r in Delivery.objects.filter(id__in=live).values_list(
                 "id",
                 "event_id",
@@ -562,8 +565,40 @@ def _lease_portable(messages, *, now, until, token) -> list[tuple]:
                 "event__body",
                 "attempt_count",
                 "policy_attempts",
+                "event__trace_context",
             )
-        ] + [(d, None, None, None, "", b"", 0, 0, False) for d in disabled]
+        ] + [(d, None, None, None, "", b"", 0, 0, False, "") for d in disabled]
+
+
+# --- Workers: release (leased → pending) -----------------------------------------------
+
+
+def release(leases: Iterable[Leased], *, now: datetime) -> int:
+    """Give back leases a stopping worker still holds: ``leased → pending``, due now,
+    without counting the attempt.
+
+    ``lease`` counted the attempt in advance (so that a worker that dies mid-send leaves a
+    count); a worker shutting down on purpose takes that count back, so that the retry
+    budget is spent only on attempts that produced an outcome. A request cut off mid-way
+    may have reached the receiver: the next copy carries the same ``webhook-id``, which is
+    what the receiver deduplicates on. Guarded by the lease token like ``record``: a lease
+    that already ran out (and maybe went to another worker) is left alone.
+    """
+    by_token: dict[uuid.UUID, list[uuid.UUID]] = defaultdict(list)
+    for item in leases:
+        by_token[item.lease_token].append(item.id)
+    released = 0
+    with transaction.atomic():
+        for token, ids in by_token.items():
+            released += Delivery.objects.filter(id__in=ids, state=LEASED, lease_token=token).update(
+                state=PENDING,
+                next_attempt_at=now,
+                attempt_count=F("attempt_count") - 1,
+                policy_attempts=F("policy_attempts") - 1,
+                updated_at=now,
+                **_DONE,
+            )
+    return released
 
 
 # --- Workers: record (leased → succeeded | pending | dead) -----------------------------

@@ -14,6 +14,12 @@ Several batches run at once (``lanes``) so that the database work of one overlap
 network work of another. A worker that dies anywhere in this leaves either unacknowledged
 messages (redelivered after the visibility timeout) or a lease (returned by the
 scheduler when it runs out): late, never lost.
+
+Shutdown (SIGTERM): the lanes take no new batch; the requests in flight get
+``WORKER_SHUTDOWN_GRACE`` seconds to finish and are recorded as usual. Past the grace, the
+requests still running are cut off and their leases given back (``state.release``:
+pending, due now, the attempt not counted), in the transaction that records the rest, so
+nothing waits for a lease to run out.
 """
 
 import asyncio
@@ -25,7 +31,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from django.conf import settings
@@ -41,7 +47,7 @@ from django.utils import timezone
 from project.metrics import ATTEMPTS
 
 from . import broker as transport
-from . import jobs, state, wakeup
+from . import jobs, state, tracing, wakeup
 from .egress import EgressError, EgressSession
 from .faults import crash_point
 from .models import Endpoint, endpoint_timeout
@@ -98,7 +104,17 @@ def _take(broker, batch_size: int, lease_seconds: float) -> Taken:
     received = transport.receive(broker, batch_size)
     messages, others = [], {}
     for task_id, payload in received:
-        m = transport.Message.decode(payload)
+        try:
+            m = transport.Message.decode(payload)
+        except transport.UnreadableMessage as exc:
+            # Left unacknowledged: a release that reads it takes it after the visibility
+            # timeout; meanwhile the scheduler's lost-dispatch sweep re-dispatches its
+            # delivery in a format this release writes (docs/compatibility.md).
+            logger.error(
+                "unreadable queue message",
+                extra={"action": "workers.unreadable_message", "error": str(exc)},
+            )
+            continue
         if m.kind == "delivery":
             messages.append((task_id, m))
         else:
@@ -134,21 +150,29 @@ def _run_job(job, messages) -> Counter:
 
 
 def _record_and_acknowledge(
-    results: list[state.AttemptResult], policy: RetryPolicy, broker, task_ids: list
-) -> state.RecordSummary:
-    """Record the batch, then acknowledge its messages. With the database broker both
-    happen in one transaction; with another broker the acknowledgement follows the
-    commit (a crash in between redelivers messages whose deliveries are already
-    recorded, which the lease guard skips)."""
+    results: list[state.AttemptResult],
+    policy: RetryPolicy,
+    broker,
+    task_ids: list,
+    released: list[state.Leased],
+) -> tuple[state.RecordSummary, int]:
+    """Record the batch, give back the leases of requests cut off by a shutdown, then
+    acknowledge its messages (a released delivery is dispatched again by the scheduler,
+    so its old message is spent). With the database broker all of it happens in one
+    transaction; with another broker the acknowledgement follows the commit (a crash in
+    between redelivers messages whose deliveries are already recorded, which the lease
+    guard skips)."""
     close_old_connections()
     same_database = isinstance(broker, transport.DatabaseBroker)
     with transaction.atomic():
-        summary = state.record(results, now=timezone.now(), policy=policy)
+        now = timezone.now()
+        summary = state.record(results, now=now, policy=policy)
+        returned = state.release(released, now=now) if released else 0
         if same_database:
             transport.acknowledge(broker, task_ids)
     if not same_database:
         transport.acknowledge(broker, task_ids)
-    return summary
+    return summary, returned
 
 
 class Worker:
@@ -160,6 +184,7 @@ class Worker:
         lanes: int = 4,
         broker=None,
         egress: EgressSession | None = None,
+        shutdown_grace: float | None = None,
     ) -> None:
         self.batch_size = batch_size or settings.WORKER_BATCH_SIZE
         self.lanes = lanes
@@ -175,6 +200,18 @@ class Worker:
         self.counts: Counter = Counter()
         self.wake = asyncio.Event()
         self.idle_wait: float | None = None  # set when notifications wake idle lanes
+        self.shutdown_grace = (
+            settings.WORKER_SHUTDOWN_GRACE if shutdown_grace is None else shutdown_grace
+        )
+        # Set when the shutdown grace has run out: requests still in flight are cut off.
+        self.abandon = asyncio.Event()
+
+    def request_stop(self, stop: asyncio.Event) -> None:
+        """A signal: the first stops taking work (in-flight requests get the grace); a
+        second one cuts them off at once."""
+        if stop.is_set():
+            self.abandon.set()
+        stop.set()
 
     async def _in_db(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.db, fn, *args)
@@ -217,15 +254,20 @@ class Worker:
 
     async def _deliver(self, messages: list[tuple[object, str]], claimed: "Claimed") -> None:
         crash_point("worker.after_lease")
-        results = await asyncio.gather(
-            *(self._send(item, claimed.targets[item.endpoint_id]) for item in claimed.leased)
-        )
+        if tracing.enabled():
+            # The relay's span, carried by the message, is the parent of the attempt's.
+            parents = {m.job_id: m.traceparent for _, m in messages if m.traceparent}
+            claimed.leased = [
+                replace(item, trace_context=parents.get(item.id) or item.trace_context)
+                for item in claimed.leased
+            ]
+        results, released = await self._send_all(claimed.leased, claimed.targets)
         crash_point("worker.after_send")
         task_ids = [task_id for task_id, _ in messages]
         for outcome, n in Counter(str(r.classification.outcome) for r in results).items():
             ATTEMPTS.labels(outcome).inc(n)
-        summary = await self._in_db_retrying(
-            _record_and_acknowledge, list(results), self.policy, self.broker, task_ids
+        summary, returned = await self._in_db_retrying(
+            _record_and_acknowledge, results, self.policy, self.broker, task_ids, released
         )
         self.counts.update(
             messages=len(messages),
@@ -235,13 +277,79 @@ class Worker:
             dead=summary.dead,
             stale=summary.stale,
         )
+        if released:
+            self.counts["released"] += returned
+            logger.warning(
+                "shutdown grace ran out: leases released",
+                extra={
+                    "action": "workers.released",
+                    "released": returned,
+                    "delivery_ids": [str(item.id) for item in released[:50]],
+                },
+            )
         for endpoint_id in summary.disabled_endpoints:
             logger.warning(
                 "endpoint disabled",
                 extra={"action": "endpoint.disabled", "endpoint_id": str(endpoint_id)},
             )
 
+    async def _send_all(
+        self, leased: list[state.Leased], targets: dict
+    ) -> tuple[list[state.AttemptResult], list[state.Leased]]:
+        """Send every request concurrently until all are answered or the shutdown grace
+        runs out; returns the results and the leases whose request was cut off (or never
+        started)."""
+        if self.abandon.is_set():
+            return [], list(leased)
+        tasks = [
+            asyncio.create_task(self._send(item, targets[item.endpoint_id])) for item in leased
+        ]
+        if not tasks:
+            return [], []
+        abandon = asyncio.create_task(self.abandon.wait())
+        pending: set = set(tasks)
+        try:
+            while pending and not abandon.done():
+                _, pending = await asyncio.wait(
+                    pending | {abandon}, return_when=asyncio.FIRST_COMPLETED
+                )
+                pending.discard(abandon)
+        finally:
+            abandon.cancel()
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+        results = [task.result() for task in tasks if not task.cancelled()]
+        released = [item for item, task in zip(leased, tasks, strict=True) if task.cancelled()]
+        return results, released
+
     async def _send(self, item: state.Leased, target: Target) -> state.AttemptResult:
+        if not tracing.enabled():
+            return await self._attempt(item, target)
+        # The traceparent is not sent to the receiver: trace ids stay inside the service.
+        span = tracing.start_span(
+            "webhooks.deliver",
+            parent=item.trace_context,
+            kind="CLIENT",
+            delivery_id=str(item.id),
+            event_id=str(item.event_id),
+            endpoint_id=str(item.endpoint_id),
+            event_type=item.event_type,
+            attempt=item.attempt_number,
+        )
+        outcome = "released"  # cut off by a shutdown unless a result comes back
+        try:
+            result = await self._attempt(item, target)
+            outcome = str(result.classification.outcome)
+            if result.status_code is not None:
+                span.set_attribute("http.response.status_code", result.status_code)
+            return result
+        finally:
+            span.set_attribute("webhooks.outcome", outcome)
+            span.end()
+
+    async def _attempt(self, item: state.Leased, target: Target) -> state.AttemptResult:
         msg_id = str(item.id)
         timestamp = int(time.time())
         headers = {
@@ -315,11 +423,13 @@ class Worker:
             self.egress = EgressSession()
             await self.egress.__aenter__()
         listening = None if once or until_idle else self._listen()
+        grace = asyncio.create_task(self._abandon_after_grace(stop))
         try:
             await asyncio.gather(
                 *(self._lane(stop, once, until_idle, idle_sleep) for _ in range(self.lanes))
             )
         finally:
+            grace.cancel()
             if listening is not None:
                 stopped, thread = listening
                 stopped.set()
@@ -353,6 +463,15 @@ class Worker:
         thread.start()
         self.idle_wait = LISTEN_POLL
         return stopped, thread
+
+    async def _abandon_after_grace(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        logger.info(
+            "stopping: requests in flight get the grace period",
+            extra={"action": "workers.stopping", "grace": self.shutdown_grace},
+        )
+        await _wait(self.abandon, self.shutdown_grace)
+        self.abandon.set()
 
     async def _lane(
         self, stop: asyncio.Event, once: bool, until_idle: bool, idle_sleep: float

@@ -5,6 +5,7 @@ type. The README's "Settings" table documents each one; ``deliveries/checks.py``
 misconfiguration into a system-check error with a stable id instead of a surprise later.
 """
 
+import importlib.util
 from pathlib import Path
 
 import environ
@@ -35,6 +36,10 @@ INSTALLED_APPS = [
     "deliveries",
     "ingest",
 ]
+# Development only (requirements/dev.txt): `manage.py lintmigrations`, run by `make test`,
+# refuses backward-incompatible migrations (docs/compatibility.md).
+if importlib.util.find_spec("django_migration_linter") is not None:
+    INSTALLED_APPS.append("django_migration_linter")
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
@@ -184,6 +189,9 @@ RELAY_INTERVAL = env.float("RELAY_INTERVAL", default=0.5)
 WORKER_BATCH_SIZE = env.int("WORKER_BATCH_SIZE", default=200)
 WORKER_CONCURRENCY = env.int("WORKER_CONCURRENCY", default=512)
 WORKER_IDLE_SLEEP = env.float("WORKER_IDLE_SLEEP", default=0.05)
+# Seconds a stopping worker lets its requests in flight run before it cuts them off and
+# gives their leases back. Keep it under the process manager's stop timeout.
+WORKER_SHUTDOWN_GRACE = env.float("WORKER_SHUTDOWN_GRACE", default=25.0)
 
 # Crash-boundary fault injection for tests and the soak: the name of a point in
 # deliveries/faults.py at which the process kills itself. Empty in production.
@@ -193,6 +201,14 @@ FAULT_INJECT_AT = env.str("FAULT_INJECT_AT", default="")
 # /metrics answers a Bearer METRICS_TOKEN, or requests from these addresses.
 METRICS_TOKEN = env.str("METRICS_TOKEN", default="")
 METRICS_ALLOW_IPS = env.list("METRICS_ALLOW_IPS", default=["127.0.0.1", "::1"])
+
+# --- Tracing (optional: requirements/otel.txt) ----------------------------------------
+# Off by default; deliveries/tracing.py. A tracer provider the host set up already
+# (opentelemetry-instrument) is used as it is; else one with OTEL_TRACES_EXPORTER
+# ("otlp", which needs opentelemetry-exporter-otlp-proto-http, or "console").
+OTEL_TRACING = env.bool("OTEL_TRACING", default=False)
+OTEL_SERVICE_NAME = env.str("OTEL_SERVICE_NAME", default="trusty-webhooks")
+OTEL_TRACES_EXPORTER = env.str("OTEL_TRACES_EXPORTER", default="otlp")
 
 # --- Inbound ------------------------------------------------------------------------
 # Modules that register inbound handlers with @ingest.handlers.handler (imported at start).

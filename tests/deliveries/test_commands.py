@@ -5,15 +5,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
+from django.utils import timezone
 
 from deliveries import services
 from deliveries.loops import relay_tick, scheduler_tick
-from deliveries.models import ApiKey, Delivery, LoopRun
+from deliveries.models import ApiKey, Attempt, Delivery, LoopRun, QueueMessage
 from deliveries.services import hash_api_key
-from tests.conftest import manage, subprocess_env
+from tests.conftest import drain, manage, subprocess_env
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,3 +87,53 @@ def test_sigterm_lets_workers_finish_and_record_the_requests_in_flight(tenant, r
     assert time.monotonic() - started < 10
     assert Delivery.objects.filter(state="succeeded").count() == 3
     assert Delivery.objects.filter(state="leased").count() == 0
+
+
+def test_sigterm_past_the_grace_gives_the_leases_back_and_strands_nothing(tenant, receiver):
+    # Each request takes far longer than the grace; the worker sends two at a time, so
+    # at SIGTERM two requests are in flight and four leased deliveries wait their turn.
+    receiver.delays["/slow"] = 15
+    services.endpoint_create(tenant=tenant, url=receiver.url("/slow"))
+    for i in range(6):
+        services.publish_event(tenant=tenant, event_type="t", payload={"i": i})
+    scheduler_tick()
+    relay_tick()
+
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "manage.py"), "run_workers", "--concurrency", "2"],
+        env=subprocess_env(WORKER_SHUTDOWN_GRACE="1"),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    receiver.wait_for(2, timeout=20)
+    assert Delivery.objects.filter(state="leased").count() == 6
+    proc.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    out, err = proc.communicate(timeout=30)
+
+    assert proc.returncode == 0, err
+    # The grace (1 s), not the receiver (15 s), decided when the worker stopped.
+    assert time.monotonic() - started < 8
+    assert "released=6" in out
+    # Every lease was given back at once: pending, due, the attempt not counted, and the
+    # spent broker messages acknowledged. Nothing waits for a lease to run out.
+    assert Delivery.objects.filter(state="leased").count() == 0
+    due = Delivery.objects.filter(state="pending", next_attempt_at__lte=timezone.now())
+    assert due.count() == 6
+    assert set(Delivery.objects.values_list("attempt_count", "policy_attempts")) == {(0, 0)}
+    assert Attempt.objects.count() == 0
+    assert QueueMessage.objects.count() == 0
+
+    receiver.delays["/slow"] = 0
+    drain()
+
+    deliveries = {str(d.id): d for d in Delivery.objects.all()}
+    assert {d.state for d in deliveries.values()} == {"succeeded"}
+    assert all(d.attempt_count == 1 for d in deliveries.values())
+    copies = Counter(r.webhook_id for r in receiver.requests_to("/slow"))
+    # Each delivery reached the receiver under its own single webhook-id: the two cut
+    # off mid-request twice, the four that never started once.
+    assert set(copies) == set(deliveries)
+    assert sorted(copies.values()) == [1, 1, 1, 1, 2, 2]

@@ -179,3 +179,24 @@ def test_every_transition_is_explained(tenant, make_endpoint, receiver, settings
     d.refresh_from_db()
     assert delivery_explain(d).kind == "dead"
     assert "Replay" in delivery_explain(d).sentence
+
+
+def test_release_gives_a_lease_back_without_counting_the_attempt(tenant, make_endpoint):
+    make_endpoint("http://127.0.0.1:9/x")
+    publish(tenant, n=2)
+    scheduler_tick()
+    ids = list(Delivery.objects.values_list("id", flat=True))
+    leased, _ = state.lease([(i, 1) for i in ids], now=NOW(), lease_seconds=60)
+    held, lost = leased
+    # The second lease runs out and another worker takes it: its old holder cannot
+    # give it back.
+    Delivery.objects.filter(id=lost.id).update(lease_token=uuid.uuid4())
+
+    assert state.release([held, lost], now=NOW()) == 1
+
+    held_row = Delivery.objects.get(id=held.id)
+    assert held_row.state == "pending" and held_row.lease_token is None
+    assert (held_row.attempt_count, held_row.policy_attempts) == (0, 0)
+    assert held_row.next_attempt_at <= NOW()
+    lost_row = Delivery.objects.get(id=lost.id)
+    assert lost_row.state == "leased" and lost_row.attempt_count == 1

@@ -15,7 +15,9 @@ logger = logging.getLogger("deliveries.worker")
 class Command(BaseCommand):
     help = (
         "Deliver queued webhooks: dequeue in batches, lease, send with aiohttp, record, "
-        "acknowledge. SIGTERM finishes the requests in flight, records them, then exits."
+        "acknowledge. SIGTERM lets the requests in flight finish within "
+        "WORKER_SHUTDOWN_GRACE seconds, records them, gives back the leases of any still "
+        "running, then exits; a second SIGTERM cuts the grace short."
     )
 
     def add_arguments(self, parser):
@@ -46,7 +48,7 @@ class Command(BaseCommand):
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, stop.set)
+                loop.add_signal_handler(sig, worker.request_stop, stop)
             return await worker.run(stop=stop, once=once, until_idle=until_idle)
 
         logger.info("workers started", extra={"action": "workers.start", "run_id": str(run.id)})
