@@ -49,8 +49,9 @@ latin1_text = st.binary(max_size=80).map(lambda b: b.decode("latin-1"))
 
 def signed(scheme_id: str, body: bytes, *, timestamp: int = NOW, event_id: str = "evt_1"):
     scheme = SCHEMES_UNDER_TEST[scheme_id]
-    return scheme.sign(body=body, secret=fixed_secret(scheme_id), timestamp=timestamp,
-                       event_id=event_id)  # fmt: skip
+    return scheme.sign(
+        body=body, secret=fixed_secret(scheme_id), timestamp=timestamp, event_id=event_id
+    )
 
 
 @pytest.mark.parametrize("scheme_id", SCHEMES_UNDER_TEST)
