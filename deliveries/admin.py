@@ -550,10 +550,18 @@ class TenantAdmin(admin.ModelAdmin):
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(ReadOnlyAdmin):
-    list_display = ["prefix", "tenant", "name", "created_at", "revoked_at"]
+    list_display = ["prefix", "tenant", "name", "created_at", "expires_at", "revoked_at"]
     list_filter = [TenantFilter]
-    fields = ["prefix", "tenant", "name", "created_at", "revoked_at"]
+    fields = ["prefix", "tenant", "name", "created_at", "expires_at", "revoked_at"]
+    # Only the expiry is edited here, and through the audited service (save_model).
+    readonly_fields = ["prefix", "tenant", "name", "created_at", "revoked_at"]
     actions = ["revoke"]
+
+    def save_model(self, request, obj, form, change):
+        if change and "expires_at" in form.changed_data:
+            services.api_key_set_expiry(
+                key_id=obj.pk, expires_at=form.cleaned_data["expires_at"], actor=request.user
+            )
 
     @admin.action(description="Revoke selected keys")
     def revoke(self, request, queryset):

@@ -1,6 +1,7 @@
 """System checks: a misconfigured setting fails loudly with a stable id."""
 
 import ipaddress
+import math
 
 from django.conf import settings
 from django.core.checks import Error, register
@@ -11,8 +12,10 @@ from django.utils.module_loading import import_string
 def check_delivery_settings(app_configs, **kwargs):
     errors = []
     schedule = settings.DELIVERY_RETRY_SCHEDULE
-    if any(step < 0 for step in schedule):
-        errors.append(Error("DELIVERY_RETRY_SCHEDULE has a negative step.", id="deliveries.E001"))
+    if not all(0 <= step < math.inf for step in schedule):  # NaN fails too
+        errors.append(
+            Error("DELIVERY_RETRY_SCHEDULE has a negative or infinite step.", id="deliveries.E001")
+        )
     for cidr in settings.EGRESS_ALLOW_NETWORKS:
         try:
             ipaddress.ip_network(cidr, strict=False)

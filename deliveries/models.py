@@ -52,6 +52,10 @@ class ApiKey(models.Model):
     key_hash = models.CharField(max_length=64, unique=True)
     created_at = models.DateTimeField(auto_now_add=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    # Optional: a key handed to a contractor or a CI job can stop working by itself.
+    expires_at = models.DateTimeField(
+        null=True, blank=True, help_text="The key stops working at this time; empty: never."
+    )
 
     def __str__(self) -> str:
         return f"{self.prefix}… ({self.tenant})"

@@ -18,12 +18,18 @@ The table (also in docs/retry-policy.md):
 when it is longer, clamped to ``retry_after_max``.
 """
 
+import math
 import random
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from email.utils import parsedate_to_datetime
 
 from .models import Outcome
+
+# RFC 9110 delay-seconds is 1*DIGIT, ASCII only: str.isdigit() also accepts "²" (which
+# float() then refuses) and other scripts' digits, none of which a receiver means.
+_DELAY_SECONDS = re.compile(r"[0-9]+")
 
 RETRYABLE_STATUS = frozenset({408, 425, 429})
 RETRYABLE_ERRORS = frozenset({"dns", "connect", "timeout", "tls", "protocol"})
@@ -67,12 +73,13 @@ def classify(
 
 def parse_retry_after(value: str | None, *, now: datetime) -> float | None:
     """Seconds from ``now`` that a ``Retry-After`` header asks for, or None if absent or
-    unreadable. Negative and past dates read as 0."""
+    unreadable. Negative and past dates read as 0. Whatever a receiver sends, this never
+    raises; the caller clamps what it returns."""
     if not value:
         return None
     value = value.strip()
-    if value.isdigit():
-        return float(value)
+    if _DELAY_SECONDS.fullmatch(value):
+        return float(value)  # inf for a thousand digits, which the policy clamps
     try:
         when = parsedate_to_datetime(value)
     except (TypeError, ValueError):
@@ -98,10 +105,14 @@ class RetryPolicy:
     retry_after_max: float = 6 * 3600
 
     def __post_init__(self) -> None:
-        if any(step < 0 for step in self.schedule):
-            raise ValueError("retry schedule steps must not be negative")
+        # Written so that NaN fails too (every comparison with NaN is False); an infinite
+        # step or clamp would overflow the datetime arithmetic that schedules the retry.
+        if not all(0 <= step < math.inf for step in self.schedule):
+            raise ValueError("retry schedule steps must be finite and not negative")
         if not 0 <= self.jitter < 1:
             raise ValueError("jitter must be in [0, 1)")
+        if not 0 <= self.retry_after_max < math.inf:
+            raise ValueError("retry_after_max must be finite and not negative")
 
     @classmethod
     def from_settings(cls) -> "RetryPolicy":

@@ -189,12 +189,19 @@ def hash_api_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def api_key_create(*, tenant: Tenant, name: str = "", actor=None) -> tuple[ApiKey, str]:
-    """A new API key. The plain key is returned once and never stored."""
+def api_key_create(
+    *, tenant: Tenant, name: str = "", expires_at: datetime | None = None, actor=None
+) -> tuple[ApiKey, str]:
+    """A new API key, valid until ``expires_at`` (None: until revoked). The plain key is
+    returned once and never stored."""
     key = API_KEY_PREFIX + secrets.token_urlsafe(32)
     with transaction.atomic():
         api_key = ApiKey.objects.create(
-            tenant=tenant, name=name, prefix=key[:12], key_hash=hash_api_key(key)
+            tenant=tenant,
+            name=name,
+            prefix=key[:12],
+            key_hash=hash_api_key(key),
+            expires_at=expires_at,
         )
         if actor is not None:
             audit(
@@ -214,6 +221,21 @@ def api_keys_revoke(*, key_ids: Iterable[int], actor=None) -> int:
             revoked_at=timezone.now()
         )
         audit(actor=actor, action="api_key.revoke", target="api_key", count=n)
+    return n
+
+
+def api_key_set_expiry(*, key_id: int, expires_at: datetime | None, actor=None) -> int:
+    """Set (or clear, with None) when a key stops working; audited. Returns rows changed."""
+    with transaction.atomic():
+        n = ApiKey.objects.filter(id=key_id).update(expires_at=expires_at)
+        audit(
+            actor=actor,
+            action="api_key.set_expiry",
+            target="api_key",
+            count=n,
+            key_id=key_id,
+            expires_at=expires_at.isoformat() if expires_at else None,
+        )
     return n
 
 

@@ -62,6 +62,7 @@ _JSON = "application/json"
 _FORM = "application/x-www-form-urlencoded"
 _TIMESTAMP = re.compile(r"[0-9]{1,12}")  # ASCII digits only: str.isdigit() accepts "²"
 _HEX = re.compile(r"[0-9a-fA-F]+")
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+")  # an RFC 9110 token, lower-cased
 
 
 @dataclass(frozen=True)
@@ -691,6 +692,19 @@ class GenericHmac(Scheme):
         self.signed_template = o.get("signed_template", default_template)
         if not self.header:
             raise ValueError("the hmac scheme needs a signature header")
+        named = {
+            "header": self.header,
+            "timestamp_header": self.timestamp_header,
+            "id_header": self.id_header,
+            "type_header": self.type_header,
+        }
+        named = {option: name for option, name in named.items() if name}
+        for option, name in named.items():
+            if not _HEADER_NAME.fullmatch(name):
+                raise ValueError(f"hmac scheme option {option!r}: {name!r} is not a header name")
+        if len(set(named.values())) != len(named):
+            # One header cannot carry two things: signing would overwrite one with the other.
+            raise ValueError(f"hmac scheme header options must name different headers: {named}")
         if self.algorithm not in self.ALGORITHMS:
             raise ValueError(f"unknown algorithm {self.algorithm!r}; use one of {self.ALGORITHMS}")
         if self.encoding not in self.ENCODINGS:

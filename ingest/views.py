@@ -2,15 +2,18 @@
 inside the request; the worker processes the stored event later.
 
 Order of checks, each with its status: method (405), source known and enabled (404),
-rate limit (429 with Retry-After), content type (415), body size while reading (413,
-without buffering past the limit), signature over the raw bytes (401, generic body),
+rate limit (429 with Retry-After), content type and content encoding (415: providers sign
+the bytes they send and none compresses them), body size while reading (413, without
+buffering past the limit; chunked bodies too), a body that stops arriving (408: the
+server's read timeout fired, or the client went away mid-body) or a malformed chunked
+body (400), signature over the raw bytes (401, generic body),
 then parse (400, stored as rejected since it was authentic), then one short transaction
 that inserts the event or counts a duplicate (200 either way).
 """
 
 import logging
 
-from django.http import JsonResponse
+from django.http import JsonResponse, UnreadablePostError
 from django.views.decorators.csrf import csrf_exempt
 
 from . import services
@@ -19,6 +22,7 @@ from .schemes import Request
 logger = logging.getLogger("ingest")
 
 READ_CHUNK = 64 * 1024
+IDENTITY_ENCODINGS = frozenset({"", "identity"})
 
 
 def _error(status: int, code: str, message: str, headers: dict | None = None) -> JsonResponse:
@@ -28,20 +32,52 @@ def _error(status: int, code: str, message: str, headers: dict | None = None) ->
     return response
 
 
+class BadFraming(Exception):
+    """The server could not decode the chunked body (bad chunk size, missing CRLF…)."""
+
+
 def _read_limited(request, limit: int) -> bytes | None:
-    """The body, or None once more than ``limit`` bytes arrived (reading stops there)."""
+    """The body, or None once more than ``limit`` bytes arrived (reading stops there).
+
+    Raises UnreadablePostError when the body stops arriving: the client hung up, or the
+    server's read timeout fired (``GUNICORN_READ_TIMEOUT`` in project/gunicorn.conf.py);
+    BadFraming when a chunked body is malformed.
+    """
     declared = request.META.get("CONTENT_LENGTH")
     if declared and declared.isdigit() and int(declared) > limit:
         return None
+    stream = request
+    if not declared and request.META.get("wsgi.input_terminated"):
+        # A chunked body has no Content-Length, and Django then reads it as empty (it caps
+        # the stream at 0 bytes). A server that ends wsgi.input at the body's end (gunicorn
+        # does) lets us read it ourselves, under the same limit.
+        stream = _ChunkedInput(request.META["wsgi.input"])
     chunks, size = [], 0
     while True:
-        chunk = request.read(READ_CHUNK)
+        chunk = stream.read(READ_CHUNK)
         if not chunk:
             return b"".join(chunks)
         size += len(chunk)
         if size > limit:
             return None
         chunks.append(chunk)
+
+
+class _ChunkedInput:
+    """The server's own input stream, with its failures in the view's terms."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def read(self, size: int) -> bytes:
+        try:
+            return self._stream.read(size)
+        except OSError as exc:  # timed out, or the client went away
+            raise UnreadablePostError(*exc.args) from exc
+        except Exception as exc:
+            # The server's chunk decoder refused the framing; its exception types are
+            # its own (gunicorn's ParseException), so anything else raised here is that.
+            raise BadFraming(str(exc)) from exc
 
 
 @csrf_exempt
@@ -60,7 +96,17 @@ def receive(request, slug: str):
     if content_type not in source.accepted_content_types:
         services.count_refusal(source, "content_type", request)
         return _error(415, "unsupported_media_type", "Unsupported content type.")
-    body = _read_limited(request, source.max_body_bytes)
+    if request.headers.get("Content-Encoding", "").strip().lower() not in IDENTITY_ENCODINGS:
+        services.count_refusal(source, "content_encoding", request)
+        return _error(415, "unsupported_media_type", "Unsupported content encoding.")
+    try:
+        body = _read_limited(request, source.max_body_bytes)
+    except UnreadablePostError:
+        services.count_refusal(source, "incomplete_body", request)
+        return _error(408, "request_timeout", "The body did not arrive in time.")
+    except BadFraming:
+        services.count_refusal(source, "bad_framing", request)
+        return _error(400, "bad_framing", "The chunked body is malformed.")
     if body is None:
         services.count_refusal(source, "too_large", request)
         return _error(413, "too_large", "The body is too large.")

@@ -9,5 +9,17 @@ threads = int(os.environ.get("GUNICORN_THREADS", "1"))
 timeout = int(os.environ.get("GUNICORN_TIMEOUT", "30"))
 graceful_timeout = int(os.environ.get("GUNICORN_GRACEFUL_TIMEOUT", "30"))
 keepalive = int(os.environ.get("GUNICORN_KEEPALIVE", "5"))
+# Seconds a request body may stall between two reads (nginx's client_body_timeout). A
+# client that stops sending mid-body gets 408 from the receive view instead of holding a
+# worker until ``timeout`` kills it. It bounds each wait, not the whole body; a client
+# trickling under it is stopped by ``timeout``; a buffering proxy in front stops both.
+body_read_timeout = float(os.environ.get("GUNICORN_READ_TIMEOUT", "10"))
 accesslog = os.environ.get("GUNICORN_ACCESSLOG") or None
 wsgi_app = "project.wsgi:application"
+
+
+def pre_request(worker, req):
+    """Bound every read of this request's body (see ``body_read_timeout``)."""
+    sock = getattr(req.unreader, "sock", None)
+    if sock is not None:
+        sock.settimeout(body_read_timeout)

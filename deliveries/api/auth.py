@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from django.db.models import Q
+from django.utils import timezone
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication, exceptions, permissions, throttling
 
@@ -35,10 +37,11 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
         api_key = (
             ApiKey.objects.select_related("tenant")
             .filter(key_hash=hash_api_key(key.strip()), revoked_at__isnull=True)
+            .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=timezone.now()))
             .first()
         )
         if api_key is None:
-            # One answer for unknown, revoked and malformed keys: nothing to probe.
+            # One answer for unknown, revoked, expired and malformed keys: nothing to probe.
             raise exceptions.AuthenticationFailed("Invalid API key.")
         return TenantPrincipal(tenant=api_key.tenant, api_key_id=api_key.id), api_key
 
