@@ -240,7 +240,7 @@ class HttpJsonAdapter(PollAdapter):
             updated_at=updated_at,
             updated_at_raw=str(raw),
             event_type=event_type if isinstance(event_type, str) else c["event_type"],
-            body=json.dumps(item, separators=(",", ":"), sort_keys=True).encode(),
+            body=json.dumps(item, separators=(",", ":")).encode(),
         )
         if len(record.event_id) > MAX_EVENT_ID_LENGTH:
             raise PollError(f"record {n}: id and time are longer than {MAX_EVENT_ID_LENGTH}")
@@ -347,14 +347,18 @@ def read_changes(
 
 
 class TokenBucket:
-    """At most ``rate`` takes per second, with bursts of at most ``burst``."""
+    """At most ``rate`` takes per second on average. The bucket holds up to ``burst``
+    tokens (default: one second's worth) so that a slow page is made up for by the next
+    requests, but it starts with one, so a run never opens with a burst."""
 
-    def __init__(self, rate: float, burst: float = 1.0, *, clock=time.monotonic, sleep=time.sleep):
+    def __init__(
+        self, rate: float, burst: float | None = None, *, clock=time.monotonic, sleep=time.sleep
+    ):
         if not rate > 0:
             raise ValueError("the rate must be positive")
-        self.rate, self.burst = rate, burst
+        self.rate, self.burst = rate, max(burst if burst is not None else rate, 1.0)
         self._clock, self._sleep = clock, sleep
-        self._tokens, self._last = burst, clock()
+        self._tokens, self._last = 1.0, clock()
 
     def take(self) -> None:
         while True:

@@ -325,7 +325,6 @@ def inbound_store_many(*, source: Source, events: Sequence[NewEvent]) -> tuple[i
         cursor.execute(
             _INSERT_MANY_SQL,
             {
-                "ids": [uuid.uuid4() for _ in events],
                 "event_ids": [e.event_id for e in events],
                 "types": [e.event_type[:200] for e in events],
                 "entities": [e.entity_id[:300] for e in events],
@@ -346,9 +345,9 @@ def inbound_store_many(*, source: Source, events: Sequence[NewEvent]) -> tuple[i
 # CTE does not see the rows its siblings insert).
 _INSERT_MANY_SQL = """
 WITH rows AS (
-    SELECT * FROM unnest(%(ids)s::uuid[], %(event_ids)s::text[], %(types)s::text[],
+    SELECT gen_random_uuid() AS id, r.* FROM unnest(%(event_ids)s::text[], %(types)s::text[],
         %(entities)s::text[], %(occurred)s::timestamptz[], %(bodies)s::bytea[])
-        AS r(id, event_id, event_type, entity_id, occurred_at, body)
+        AS r(event_id, event_type, entity_id, occurred_at, body)
 ), new AS (
     INSERT INTO ingest_inboundevent (id, source_id, event_id, event_type, entity_id,
         occurred_at, body, headers, state, received_at, duplicates, next_attempt_at,

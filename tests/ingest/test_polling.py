@@ -354,3 +354,21 @@ def test_the_token_bucket_paces_takes_at_the_rate():
     for _ in range(41):
         bucket.take()
     assert now[0] == pytest.approx(10.0)
+
+
+def test_the_token_bucket_makes_up_for_a_slow_step_without_opening_with_a_burst():
+    now = [0.0]
+
+    def sleep(s):
+        now[0] += s
+
+    bucket = TokenBucket(4.0, clock=lambda: now[0], sleep=sleep)
+    bucket.take()
+    bucket.take()
+    assert now[0] == pytest.approx(0.25)  # no burst at the start
+    now[0] += 1.0  # a slow step: a second's worth of tokens accrues, no more
+    for _ in range(4):
+        bucket.take()
+    assert now[0] == pytest.approx(1.25)
+    bucket.take()
+    assert now[0] == pytest.approx(1.5)
