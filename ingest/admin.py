@@ -1,11 +1,13 @@
 """Staff views of inbound webhooks: sources, events (with reprocess), refusals."""
 
+from django import forms
 from django.contrib import admin, messages
 
 from deliveries.admin import CappedCountPaginator, ReadOnlyAdmin
 
 from . import services
-from .models import HandlerRun, InboundEvent, Source, VerificationFailure
+from .models import BackfillRun, HandlerRun, InboundEvent, PollSource, Source, VerificationFailure
+from .selectors import backfill_progress
 
 
 @admin.register(Source)
@@ -73,3 +75,113 @@ class InboundEventAdmin(ReadOnlyAdmin):
 class VerificationFailureAdmin(ReadOnlyAdmin):
     list_display = ["source", "reason", "count", "first_at", "last_at", "sample"]
     list_filter = ["reason", "source"]
+
+
+class PollSourceForm(forms.ModelForm):
+    # Write-only: the page never shows the secret; left blank, the stored one stays.
+    auth_secret = forms.CharField(
+        required=False,
+        widget=forms.PasswordInput(render_value=False),
+        help_text="The auth header's value. Leave blank to keep the current one.",
+    )
+
+    class Meta:
+        model = PollSource
+        fields = ["tenant", "adapter", "config", "auth_secret", "enabled", "every_minutes"]
+
+    def clean_auth_secret(self):
+        return self.cleaned_data["auth_secret"] or (
+            self.instance.auth_secret if self.instance.pk else ""
+        )
+
+    def clean_config(self):
+        from .polling import http_json_config
+
+        try:
+            http_json_config(self.cleaned_data["config"] or {})
+        except ValueError as exc:
+            raise forms.ValidationError(str(exc)) from exc
+        return self.cleaned_data["config"]
+
+
+@admin.register(PollSource)
+class PollSourceAdmin(admin.ModelAdmin):
+    form = PollSourceForm
+    list_display = ["__str__", "tenant", "enabled", "every_minutes", "cursor_at", "last_poll_at"]
+    list_filter = ["enabled"]
+    readonly_fields = ["cursor_at", "last_poll_at", "last_poll_counts", "last_error"]
+
+    def has_add_permission(self, request):
+        return False  # created with its inbound source by ingest.poller.poll_source_create
+
+
+def _eta(seconds):
+    if seconds is None:
+        return "-"
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+@admin.register(BackfillRun)
+class BackfillRunAdmin(ReadOnlyAdmin):
+    list_display = [
+        "id",
+        "source",
+        "state",
+        "progress",
+        "processed_count",
+        "rates",
+        "checkpoint_at",
+        "eta",
+        "started_by",
+        "created_at",
+    ]
+    list_filter = ["state", "source"]
+    ordering = ["-created_at"]
+    list_select_related = ["source__source"]
+    readonly_fields = [
+        "source",
+        "state",
+        "progress",
+        "eta",
+        "rates",
+        "since",
+        "until",
+        "rate",
+        "page_size",
+        "started_by",
+        "created_at",
+        "heartbeat_at",
+        "finished_at",
+        "checkpoint_at",
+        "processed",
+        "stored",
+        "duplicates",
+        "pages",
+        "requests",
+        "total",
+        "resumes",
+        "active_seconds",
+        "error",
+    ]
+    exclude = ["checkpoint_ids"]
+
+    def has_view_permission(self, request, obj=None):
+        return request.user.is_staff and super().has_view_permission(request, obj)
+
+    @admin.display(description="progress")
+    def progress(self, run):
+        return f"{backfill_progress(run).fraction:.0%}"
+
+    @admin.display(description="processed", ordering="processed")
+    def processed_count(self, run):
+        return f"{run.processed:,}"
+
+    @admin.display(description="rate (records/s, requests/s)")
+    def rates(self, run):
+        p = backfill_progress(run)
+        return f"{p.records_per_second:,.0f} rec/s, {p.requests_per_second:.2f} req/s"
+
+    @admin.display(description="ETA")
+    def eta(self, run):
+        return _eta(backfill_progress(run).eta_seconds)

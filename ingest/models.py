@@ -160,3 +160,104 @@ class VerificationFailure(models.Model):
 
     def __str__(self) -> str:
         return f"{self.source_id} {self.reason} x{self.count}"
+
+
+# --- Polling and backfill -------------------------------------------------------------
+
+
+class PollSource(models.Model):
+    """A provider without webhooks, read by polling its list of changed records.
+
+    Its records are stored as inbound events of ``source`` (a :class:`Source` with the
+    ``poll`` scheme, so nothing posted to its webhook URL is accepted), which gives them
+    the webhooks' dedupe, handlers and entity locks. ``tenant`` is the customer whose
+    provider account this is (their backfill runs show in the REST API); empty for the
+    operator's own integrations, seen by staff only.
+
+    The cursor is over the provider's data, never our clock: ``cursor_at`` is the highest
+    ``updated_at`` stored, ``cursor_ids`` the ids already stored at exactly that time."""
+
+    class Adapter(models.TextChoices):
+        HTTP_JSON = "http_json"
+
+    id = models.BigAutoField(primary_key=True)
+    source = models.OneToOneField(Source, on_delete=models.CASCADE, related_name="poll")
+    tenant = models.ForeignKey(
+        "deliveries.Tenant",
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
+        related_name="poll_sources",
+    )
+    adapter = models.CharField(max_length=20, choices=Adapter.choices, default=Adapter.HTTP_JSON)
+    # The adapter's settings (URL, query parameter names, response paths…); no secrets.
+    config = models.JSONField(default=dict)
+    # The value of the adapter's auth header; write-only in the admin, never logged.
+    auth_secret = models.CharField(max_length=2000, blank=True)
+    enabled = models.BooleanField(default=True)
+    every_minutes = models.PositiveIntegerField(default=5, help_text="The schedule's interval.")
+    cursor_at = models.DateTimeField(null=True, blank=True)
+    cursor_ids = models.JSONField(default=list, blank=True)
+    last_poll_at = models.DateTimeField(null=True, blank=True)
+    last_poll_counts = models.JSONField(default=dict, blank=True)
+    last_error = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.source.slug
+
+
+class BackfillState(models.TextChoices):
+    RUNNING = "running"  # or killed: a stale heartbeat with the lease expired says so
+    INTERRUPTED = "interrupted"  # Ctrl-C or SIGTERM; resumable
+    FAILED = "failed"  # the provider kept failing; resumable
+    COMPLETED = "completed"
+
+
+class BackfillRun(models.Model):
+    """One backfill of a window of a poll source's history: what was asked, who asked,
+    where it stands (the checkpoint, written with every page's events) and what it did."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    source = models.ForeignKey(PollSource, on_delete=models.CASCADE, related_name="backfills")
+    state = models.CharField(
+        max_length=16, choices=BackfillState.choices, default=BackfillState.RUNNING
+    )
+    since = models.DateTimeField()
+    # Exclusive; defaults to when the run was created, so the window is fixed.
+    until = models.DateTimeField()
+    rate = models.FloatField(help_text="Requests per second at most.")
+    page_size = models.PositiveIntegerField()
+    started_by = models.CharField(max_length=200)
+    created_at = models.DateTimeField()
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    # The same shape as a poll source's cursor: resume lists from checkpoint_at (>=) and
+    # skips checkpoint_ids.
+    checkpoint_at = models.DateTimeField(null=True, blank=True)
+    checkpoint_ids = models.JSONField(default=list, blank=True)
+    pages = models.PositiveBigIntegerField(default=0)
+    requests = models.PositiveBigIntegerField(default=0)
+    processed = models.PositiveBigIntegerField(default=0, help_text="Records read in the window.")
+    stored = models.PositiveBigIntegerField(default=0, help_text="New inbound events.")
+    duplicates = models.PositiveBigIntegerField(default=0, help_text="Already stored.")
+    # Seconds spent running, over all resumptions: the denominator of the rates.
+    active_seconds = models.FloatField(default=0.0)
+    resumes = models.PositiveIntegerField(default=0)
+    # Records in the window if the provider says (its total), for the ETA.
+    total = models.PositiveBigIntegerField(null=True, blank=True)
+    error = models.TextField(blank=True)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(state__in=BackfillState.values), name="backfill_state_valid"
+            ),
+        ]
+        indexes = [
+            # The admin's and the API's newest-first lists.
+            models.Index(fields=["-created_at"], name="backfill_created"),
+        ]
+
+    def __str__(self) -> str:
+        return f"backfill {self.id} of {self.source_id}"

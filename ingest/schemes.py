@@ -795,9 +795,29 @@ class GenericHmac(Scheme):
         return headers
 
 
+class Polled(Scheme):
+    """A source fed by polling (``ingest/polling.py``), not by webhooks: nothing posted to
+    its webhook URL is ever authentic, and the stored records are parsed as JSON."""
+
+    name = "poll"
+
+    def verify(
+        self, request: Request, *, secrets: Sequence[str], now: float, tolerance: int = 300
+    ) -> None:
+        raise VerificationFailed("no_secret")
+
+    def extract(self, request: Request, parsed: Any) -> EventMeta:
+        raise UnparseableBody("polled sources are not posted to")
+
+    def sign(self, **kwargs: Any) -> dict[str, str]:
+        raise NotImplementedError("polled sources are not posted to")
+
+
 SCHEMES: dict[str, type[Scheme]] = {
-    cls.name: cls for cls in (StandardWebhooks, Stripe, GitHub, Shopify, Slack, GenericHmac)
+    cls.name: cls for cls in (StandardWebhooks, Stripe, GitHub, Shopify, Slack, GenericHmac, Polled)
 }
+# The schemes a webhook source can be created with (``create_source``).
+WEBHOOK_SCHEMES = tuple(name for name in SCHEMES if name != Polled.name)
 
 
 def get_scheme(name: str, options: Mapping[str, Any] | None = None) -> Scheme:

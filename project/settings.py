@@ -247,3 +247,15 @@ LOGGING = {
         "aiohttp.access": {"level": "WARNING"},
     },
 }
+
+# --- Polling and backfill (docs/polling.md) ---------------------------------------------
+# Seconds a poll run or a backfill holds its source's (run's) lease without renewing it;
+# renewed with every page, so it must exceed the slowest page (request plus storing).
+POLL_LEASE_SECONDS = env.float("POLL_LEASE_SECONDS", default=300.0)
+BACKFILL_LEASE_SECONDS = env.float("BACKFILL_LEASE_SECONDS", default=300.0)
+# Pages one poll run reads at most; the next run goes on from the cursor.
+POLL_MAX_PAGES = env.int("POLL_MAX_PAGES", default=1000)
+# Bytes of one page read at most; a longer page is an error (ask for smaller pages).
+POLL_MAX_RESPONSE_BYTES = env.int("POLL_MAX_RESPONSE_BYTES", default=16 * 1024 * 1024)
+# Times a backfill retries a request that got no answer, a 429 or a 5xx.
+BACKFILL_RETRIES = env.int("BACKFILL_RETRIES", default=5)

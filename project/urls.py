@@ -11,5 +11,7 @@ urlpatterns = [
     path("readyz", health.readyz, name="readyz"),
     path("metrics", metrics.metrics_view, name="metrics"),
     path("api/", include("deliveries.api_urls")),
+    # ingest's customer routes under the same /api/v1/ (deliveries never imports ingest).
+    path("api/v1/", include("ingest.api_urls")),
     path("ingest/<slug:slug>/", ingest_views.receive, name="ingest-receive"),
 ]

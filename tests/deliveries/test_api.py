@@ -242,8 +242,30 @@ def object_routes():
     return sorted(set(routes))
 
 
+def backfill_run_of(tenant):
+    """A backfill run of a poll source that belongs to ``tenant`` (ingest's route)."""
+    from datetime import UTC, datetime
+
+    from ingest.backfill import backfill_run_create
+    from ingest.poller import poll_source_create
+
+    poll_source_create(
+        slug=f"crm-{tenant.id}",
+        config={"url": "https://example.com/records"},
+        tenant=tenant,
+        schedule=False,
+    )
+    return backfill_run_create(
+        slug=f"crm-{tenant.id}",
+        since=datetime(2024, 1, 1, tzinfo=UTC),
+        until=datetime(2024, 2, 1, tzinfo=UTC),
+        rate=1,
+    )
+
+
 def test_the_route_list_covers_every_object_route():
     assert object_routes() == [
+        "/api/v1/backfill-runs/{id}/",
         "/api/v1/deliveries/{id}/",
         "/api/v1/deliveries/{id}/attempts/",
         "/api/v1/deliveries/{id}/replay/",
@@ -262,9 +284,12 @@ def test_another_tenants_id_is_404_exactly_like_a_random_id(route, method, alice
     endpoint, _ = services.endpoint_create(tenant=bob_tenant, url="https://example.com/b")
     event = services.publish_event(tenant=bob_tenant, event_type="t", payload={})
     delivery = Delivery.objects.get(event=event)
-    bob_id = {"endpoints": endpoint.id, "events": event.id, "deliveries": delivery.id}[
-        route.split("/")[3]
-    ]
+    collection = route.split("/")[3]
+    bob_id = (
+        backfill_run_of(bob_tenant).id
+        if collection == "backfill-runs"
+        else {"endpoints": endpoint.id, "events": event.id, "deliveries": delivery.id}[collection]
+    )
 
     def call(client, object_id):
         return getattr(client, method)(route.format(id=object_id), {}, format="json")
@@ -295,10 +320,11 @@ def test_another_tenants_id_is_404_exactly_like_a_random_id(route, method, alice
         {"limit": 1},
     ],
 )
-@pytest.mark.parametrize("collection", ["endpoints", "events", "deliveries"])
+@pytest.mark.parametrize("collection", ["endpoints", "events", "deliveries", "backfill-runs"])
 def test_lists_never_show_another_tenants_rows(collection, params, alice, bob):
     alice_client, _alice_tenant, _ = alice
     _, bob_tenant, _ = bob
+    backfill_run_of(bob_tenant)
     endpoint, _ = services.endpoint_create(tenant=bob_tenant, url="https://example.com/b")
     event = services.publish_event(tenant=bob_tenant, event_type="t", payload={})
     params = {

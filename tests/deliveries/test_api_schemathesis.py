@@ -61,7 +61,11 @@ def api_tenant(db, wsgi_keeps_the_test_connection):
         response_body="try later",
         request_headers={"content-type": "application/json"},
     )
+    from tests.deliveries.test_api import backfill_run_of
+
+    run = backfill_run_of(tenant)
     return key, {
+        "/api/v1/backfill-runs/{id}/": str(run.id),
         "/api/v1/endpoints/{id}/": str(endpoint.id),
         "/api/v1/events/{id}/": str(event.id),
         "/api/v1/deliveries/{id}/": str(delivery.id),

@@ -3,7 +3,7 @@ import json
 from django.core.management.base import BaseCommand, CommandError
 from django.db import IntegrityError
 
-from ingest.schemes import SCHEMES
+from ingest.schemes import WEBHOOK_SCHEMES
 from ingest.services import source_create
 
 
@@ -12,7 +12,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("slug")
-        parser.add_argument("--scheme", required=True, choices=sorted(SCHEMES))
+        parser.add_argument("--scheme", required=True, choices=sorted(WEBHOOK_SCHEMES))
         parser.add_argument(
             "--secret",
             action="append",

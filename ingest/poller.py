@@ -1,0 +1,198 @@
+"""Services for polling: create a poll source (with its schedule), run one poll under
+the source's lease. The mechanism (adapters, cursor, walk) is in ``ingest/polling.py``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from deliveries.locks import entity_lock_acquire, entity_lock_release
+from deliveries.models import EntityLock
+
+from .models import PollSource, Source
+from .polling import Cursor, PollError, adapter_for, http_json_config, read_changes
+from .services import inbound_store_many
+
+logger = logging.getLogger("ingest")
+
+
+class LeaseLost(Exception):
+    """Another process took the lease over (ours expired): this page is rolled back."""
+
+
+class Lease:
+    """An expiring row (``deliveries.locks``) that one process at a time holds on a poll
+    source or a backfill run. Renewed in the transaction that stores each page, so a
+    holder whose lease was taken over can commit nothing. A holder on this host whose
+    process is gone (``kill -9``) is taken over at once instead of after the expiry."""
+
+    def __init__(self, key: str, ttl: float) -> None:
+        self.key, self.ttl = key, ttl
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
+
+    def acquire(self) -> bool:
+        if entity_lock_acquire(key=self.key, owner=self.owner, ttl=self.ttl):
+            return True
+        holder = EntityLock.objects.filter(key=self.key).values_list("owner", flat=True).first()
+        if holder and _dead_local_process(holder):
+            expires = timezone.now() + timedelta(seconds=self.ttl)
+            return bool(
+                EntityLock.objects.filter(key=self.key, owner=holder).update(
+                    owner=self.owner, expires_at=expires
+                )
+            )
+        return False
+
+    def holder(self) -> str:
+        return EntityLock.objects.filter(key=self.key).values_list("owner", flat=True).first() or ""
+
+    def renew(self) -> None:
+        """Call inside the transaction that writes; raises LeaseLost."""
+        if not entity_lock_acquire(key=self.key, owner=self.owner, ttl=self.ttl):
+            raise LeaseLost(self.key)
+
+    def release(self) -> None:
+        entity_lock_release(key=self.key, owner=self.owner)
+
+
+def _dead_local_process(owner: str) -> bool:
+    host, _, rest = owner.partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+# --- Poll sources -----------------------------------------------------------------------
+
+
+def poll_schedule_name(slug: str) -> str:
+    return f"poll:{slug}"
+
+
+def poll_source_create(
+    *,
+    slug: str,
+    config: dict[str, Any],
+    auth_secret: str = "",
+    tenant=None,
+    every_minutes: int = 5,
+    schedule: bool = True,
+) -> PollSource:
+    """A poll source, its inbound :class:`Source` (scheme ``poll``) and, unless
+    ``schedule`` is False, a django-q2 schedule that polls it every ``every_minutes``."""
+    http_json_config(config)  # refuses bad settings with a clear message
+    with transaction.atomic():
+        source = Source.objects.create(slug=slug, scheme="poll")
+        poll = PollSource.objects.create(
+            source=source,
+            tenant=tenant,
+            config=config,
+            auth_secret=auth_secret,
+            every_minutes=every_minutes,
+        )
+        if schedule:
+            poll_schedule_ensure(poll)
+    return poll
+
+
+def poll_schedule_ensure(poll: PollSource):
+    """The django-q2 ``Schedule`` row that polls ``poll`` (created or brought up to date);
+    it calls ``ingest.tasks.poll_pass``, the same unit as ``poll SLUG --once``."""
+    from django_q.models import Schedule
+
+    slug = poll.source.slug
+    schedule, _ = Schedule.objects.update_or_create(
+        name=poll_schedule_name(slug),
+        defaults={
+            "func": "ingest.tasks.poll_pass",
+            "kwargs": repr({"slug": slug}),
+            "schedule_type": Schedule.MINUTES,
+            "minutes": poll.every_minutes,
+        },
+    )
+    return schedule
+
+
+@dataclass
+class PollResult:
+    slug: str
+    outcome: str  # polled | leased (another run holds the source) | failed | disabled
+    counts: Counter = field(default_factory=Counter)
+    cursor: Cursor = field(default_factory=Cursor)
+    error: str = ""
+
+
+def poll_source_run(*, slug: str, should_stop=lambda: False) -> PollResult:
+    """One poll of ``slug``: read the records changed since the cursor, store each page
+    as inbound events and advance the cursor in the same transaction. Overlapping runs
+    of one source are safe: the second finds the lease held and does nothing."""
+    poll = PollSource.objects.select_related("source").get(source__slug=slug)
+    if not poll.enabled:
+        return PollResult(slug, "disabled")
+    lease = Lease(f"poll:{poll.id}", ttl=settings.POLL_LEASE_SECONDS)
+    if not lease.acquire():
+        logger.info("poll skipped: leased", extra={"action": "poll.leased", "source": slug})
+        return PollResult(slug, "leased")
+    result = PollResult(slug, "polled", cursor=Cursor(poll.cursor_at, frozenset(poll.cursor_ids)))
+    started = timezone.now()
+    adapter = adapter_for(poll)
+    try:
+        for page in read_changes(
+            adapter,
+            cursor=result.cursor,
+            page_size=adapter.config["page_size"],
+            max_pages=settings.POLL_MAX_PAGES,
+            should_stop=should_stop,
+        ):
+            with transaction.atomic():
+                lease.renew()
+                stored, duplicates = inbound_store_many(
+                    source=poll.source, events=[r.as_event() for r in page.fresh]
+                )
+                PollSource.objects.filter(id=poll.id).update(
+                    cursor_at=page.cursor.at, cursor_ids=sorted(page.cursor.ids)
+                )
+            result.cursor = page.cursor
+            result.counts.update(
+                pages=1,
+                records=len(page.page.records),
+                stored=stored,
+                duplicates=duplicates,
+                skipped=page.skipped,
+            )
+    except (PollError, LeaseLost) as exc:
+        result.outcome, result.error = "failed", str(exc)[:2000]
+    finally:
+        adapter.close()
+        PollSource.objects.filter(id=poll.id).update(
+            last_poll_at=started, last_poll_counts=dict(result.counts), last_error=result.error
+        )
+        lease.release()
+    logger.info(
+        "poll finished",
+        extra={
+            "action": "poll.finished",
+            "source": slug,
+            "outcome": result.outcome,
+            "error": result.error[:200],
+            **{k: v for k, v in result.counts.items()},
+        },
+    )
+    return result
