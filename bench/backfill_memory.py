@@ -64,8 +64,10 @@ def main() -> None:
             )
             started = time.monotonic()
             child = subprocess.Popen(
-                [sys.executable, "manage.py", "backfill", "bench-crm", "--since", "2024-01-01"]
-                + ["--until", "2030-01-01", "--rate", "1000/s"],
+                [
+                    *(sys.executable, "manage.py", "backfill", "bench-crm"),
+                    *("--since", "2024-01-01", "--until", "2030-01-01", "--rate", "1000/s"),
+                ],
                 cwd=ROOT,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
