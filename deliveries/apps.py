@@ -6,4 +6,9 @@ class DeliveriesConfig(AppConfig):
     verbose_name = "Outbound webhooks"
 
     def ready(self) -> None:
+        from project.metrics import register_provider
+
         from . import checks  # noqa: F401  (registers the system checks)
+        from .metrics import delivery_gauges
+
+        register_provider("deliveries", delivery_gauges)
