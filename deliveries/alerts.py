@@ -71,7 +71,9 @@ def operational_event_record(*, signal: Signal, now: datetime) -> tuple[Operatio
             kind=signal.kind, key=signal.key, resolved_at__isnull=True
         )
         if open_.update(**refresh):
-            return open_.get(), False
+            event = open_.first()
+            if event is not None:  # else it was resolved in between: open a new one
+                return event, False
         try:
             with transaction.atomic():
                 event = OperationalEvent.objects.create(

@@ -137,18 +137,26 @@ def _observe(results: list[state.AttemptResult]) -> None:
     """Metrics and one log line per attempt: DEBUG for a success (the attempt table is
     the full record; a line per success at thousands a second would cost more than the
     send), INFO for anything else. Ids, timing and outcome only: never the body, the
-    headers or the secrets."""
+    headers or the secrets. Label lookups are made once per endpoint per batch."""
     for (outcome, status), n in Counter(
         (str(r.classification.outcome), status_class(r.status_code)) for r in results
     ).items():
         ATTEMPTS.labels(outcome, status).inc(n)
+    by_endpoint: dict = {}
+    for r in results:
+        by_endpoint.setdefault(r.leased.endpoint_id, []).append(r)
+    for endpoint_id, batch in by_endpoint.items():
+        label = ENDPOINT_LABELS.label(endpoint_id)
+        histogram = DISPATCH_DURATION.labels(label)
+        failures = 0
+        for r in batch:
+            histogram.observe(r.duration_ms / 1000)
+            failures += r.classification.outcome != "success"
+        if failures:
+            DISPATCH_FAILURES.labels(label).inc(failures)
     debug = logger.isEnabledFor(logging.DEBUG)
     for r in results:
-        label = ENDPOINT_LABELS.label(r.leased.endpoint_id)
-        DISPATCH_DURATION.labels(label).observe(r.duration_ms / 1000)
         success = r.classification.outcome == "success"
-        if not success:
-            DISPATCH_FAILURES.labels(label).inc()
         if success and not debug:
             continue
         logger.log(
@@ -172,10 +180,18 @@ def _observe(results: list[state.AttemptResult]) -> None:
 
 
 def _record_disabled(endpoint_ids) -> None:
+    """The incident for endpoints this worker disabled (deliveries/alerts.py). The
+    deliveries are recorded already; failing to record the incident is logged, never
+    allowed to stop the lane."""
     from .alerts import endpoint_disabled_signal
 
     close_old_connections()
-    endpoint_disabled_signal(endpoint_ids)
+    try:
+        endpoint_disabled_signal(endpoint_ids)
+    except (OperationalError, InterfaceError):
+        raise  # retried by the caller
+    except Exception:
+        logger.exception("could not record the incident", extra={"action": "alert.record_failed"})
 
 
 def _run_job(job, messages) -> Counter:
