@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.core.mail import send_mail
@@ -117,7 +118,8 @@ def endpoint_disabled_signal(endpoint_ids: Iterable, *, now: datetime | None = N
                     "endpoint_id": str(endpoint.id),
                     "tenant_id": str(endpoint.tenant_id),
                     "tenant": endpoint.tenant.name,
-                    "url": endpoint.url,
+                    # The host only: a query string may carry a receiver's token.
+                    "host": urlsplit(endpoint.url).hostname or "",
                     "reason": endpoint.disabled_reason,
                 },
             ),
