@@ -147,6 +147,7 @@ def prune(
     for name, pruner in PRUNERS.items():
         if only and name not in only:
             continue
+        totals[name] += 0  # named in the summary even when nothing went
         for qs in pruner.candidates(now):
             if dry_run:
                 cap = batch_size * (max_batches or 100)
@@ -160,7 +161,6 @@ def prune(
                 for table, n in deleted.items():
                     PRUNED_ROWS.labels(table).inc(n)
                     totals[name if table == main_table else f"{name}.{table}"] += n
-                totals[name] += 0  # named in the summary even when nothing went
                 if deleted.get(main_table, 0) < batch_size:
                     break
                 if pause:
