@@ -29,6 +29,7 @@ from .models import (
     Event,
     EventType,
     LoopRun,
+    OperationalEvent,
     Tenant,
 )
 from .selectors import delivery_explain
@@ -637,5 +638,39 @@ class LoopRunAdmin(ReadOnlyAdmin):
         "counts",
     ]
     list_filter = ["kind"]
+    paginator = CappedCountPaginator
+    show_full_result_count = False
+
+
+@admin.register(OperationalEvent)
+class OperationalEventAdmin(ReadOnlyAdmin):
+    """Incidents the service recorded about itself (deliveries/alerts.py)."""
+
+    list_display = [
+        "first_seen_at",
+        "severity",
+        "kind",
+        "summary",
+        "occurrences",
+        "last_seen_at",
+        "resolved_at",
+        "notified_at",
+    ]
+    list_filter = ["kind", "severity", ("resolved_at", admin.EmptyFieldListFilter)]
+    search_fields = ["key", "summary"]
+    readonly_fields = [
+        "kind",
+        "key",
+        "severity",
+        "summary",
+        "details",
+        "first_seen_at",
+        "last_seen_at",
+        "occurrences",
+        "resolved_at",
+        "notified_at",
+        "notification",
+    ]
+    ordering = ["-first_seen_at"]
     paginator = CappedCountPaginator
     show_full_result_count = False

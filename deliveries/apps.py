@@ -6,9 +6,13 @@ class DeliveriesConfig(AppConfig):
     verbose_name = "Outbound webhooks"
 
     def ready(self) -> None:
+        from project.metrics import register_provider
+
         from . import (
             checks,  # noqa: F401  (registers the system checks)
             tracing,
         )
+        from .metrics import delivery_gauges
 
         tracing.configure()
+        register_provider("deliveries", delivery_gauges)

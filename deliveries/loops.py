@@ -30,6 +30,8 @@ from django.db import (
 from django.db.models import Q
 from django.utils import timezone
 
+from project.metrics import LEASE_EXPIRIES, LOST_DISPATCHES
+
 from . import broker as transport
 from . import jobs, state, tracing, wakeup
 from .faults import crash_point
@@ -85,11 +87,23 @@ def scheduler_tick(*, page_size: int | None = None) -> Tick:
             Q(state__in=state.IN_FLIGHT) | Q(state=state.PENDING, next_attempt_at__lte=now)
         ).exists()
     tick.busy |= others_busy
+    _count_recoveries(tick.counts)
     tick.soon = admitted.admitted > 0
     # Work waits for a slot: look again at a steady pace, not in a tight loop (each pass
     # counts the rows in flight).
     tick.blocked = bool(admitted.held_back or admitted.saturated)
     return tick
+
+
+def _count_recoveries(counts: Counter) -> None:
+    for key, n in counts.items():
+        if not n:
+            continue
+        job, _, what = key.rpartition(".")
+        if what == "lease_expired":
+            LEASE_EXPIRIES.labels(job or "delivery").inc(n)
+        elif what == "transport_lost":
+            LOST_DISPATCHES.labels(job or "delivery").inc(n)
 
 
 # --- Relay -------------------------------------------------------------------------------

@@ -440,3 +440,71 @@ class AuditEntry(models.Model):
 
     def __str__(self) -> str:
         return f"{self.action} {self.count} {self.target}"
+
+
+class OperationalEvent(models.Model):
+    """An incident the service noticed about itself (dead letters growing, an endpoint
+    disabled, a spike of inbound verification failures), recorded as data.
+
+    One row per incident: while it is open (``resolved_at`` null) the same condition
+    seen again only bumps ``occurrences`` and ``last_seen_at``, so one incident sends one
+    notification. It resolves once the condition has not been seen for
+    ALERTS_RESOLVE_AFTER; seen again after that, it is a new incident."""
+
+    class Kind(models.TextChoices):
+        DEAD_LETTERS = "dead_letters"
+        ENDPOINT_DISABLED = "endpoint_disabled"
+        VERIFICATION_FAILURES = "verification_failures"
+
+    class Severity(models.TextChoices):
+        WARNING = "warning"
+        CRITICAL = "critical"
+
+    id = models.BigAutoField(primary_key=True)
+    kind = models.CharField(max_length=40)
+    # What the incident is about, within its kind: "all", an endpoint id, a source slug.
+    key = models.CharField(max_length=200)
+    severity = models.CharField(max_length=16, choices=Severity.choices, default=Severity.WARNING)
+    summary = models.CharField(max_length=500)
+    details = models.JSONField(default=dict, blank=True)
+    first_seen_at = models.DateTimeField()
+    last_seen_at = models.DateTimeField()
+    occurrences = models.PositiveIntegerField(default=1)
+    resolved_at = models.DateTimeField(null=True, blank=True)
+    # Set when a notifier claimed the incident (guarded UPDATE: one claim per incident).
+    notified_at = models.DateTimeField(null=True, blank=True)
+    # What the notification did: {"webhook": "...", "email": "..."}.
+    notification = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        constraints = [
+            # At most one open incident per (kind, key): two processes noticing the same
+            # condition at once cannot open two incidents (and send two messages).
+            models.UniqueConstraint(
+                fields=["kind", "key"],
+                condition=Q(resolved_at__isnull=True),
+                name="operational_event_open",
+            ),
+        ]
+        indexes = [
+            # The notifier's claim: open incidents not yet notified.
+            models.Index(
+                fields=["first_seen_at"],
+                condition=Q(notified_at__isnull=True),
+                name="operational_event_unnotified",
+            ),
+            # The admin list and retention.
+            models.Index(fields=["-first_seen_at"], name="operational_event_first_seen"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.key}"
+
+
+class AlertCheckpoint(models.Model):
+    """Where an alert check left off (its last run time and any baseline), so that the
+    next run looks only at what changed since."""
+
+    name = models.CharField(max_length=100, primary_key=True)
+    checked_at = models.DateTimeField()
+    data = models.JSONField(default=dict, blank=True)

@@ -1,7 +1,10 @@
-"""One pass of each loop as a plain function, for django-q2 ``Schedule`` rows (editable
-in the admin: func ``deliveries.tasks.scheduler_pass``, every N minutes; cron strings
-need the optional croniter package) or any other task runner. ``run_scheduler --once``
-and ``run_relay --once`` call the same units."""
+"""Units of work as plain functions, for django-q2 ``Schedule`` rows (editable in the
+admin: func ``deliveries.tasks.scheduler_pass``, every N minutes; cron strings need the
+optional croniter package) or any other task runner. ``run_scheduler --once``,
+``run_relay --once``, ``prune`` and ``check_alerts`` call the same units.
+
+``install_schedules`` (``manage.py install_schedules``) creates the maintenance rows:
+``prune_pass`` hourly and ``alerts_pass`` every minute."""
 
 from .loops import relay_tick, scheduler_tick
 
@@ -12,3 +15,43 @@ def scheduler_pass() -> dict:
 
 def relay_pass() -> dict:
     return dict(relay_tick().counts)
+
+
+def prune_pass() -> dict:
+    from .retention import prune
+
+    return dict(prune())
+
+
+def alerts_pass() -> dict:
+    from .alerts import alerts_check
+
+    return dict(alerts_check())
+
+
+MAINTENANCE_SCHEDULES = {
+    # name: (func, minutes between runs)
+    "webhooks: prune": ("deliveries.tasks.prune_pass", 60),
+    "webhooks: alerts": ("deliveries.tasks.alerts_pass", 1),
+}
+
+
+def install_schedules() -> list[str]:
+    """Create (or correct) the django-q2 Schedule rows of the maintenance tasks; returns
+    the names created or changed. Idempotent: run it on every deploy."""
+    from django_q.models import Schedule
+
+    changed = []
+    for name, (func, minutes) in MAINTENANCE_SCHEDULES.items():
+        _, created = Schedule.objects.get_or_create(
+            name=name,
+            defaults={"func": func, "schedule_type": Schedule.MINUTES, "minutes": minutes},
+        )
+        updated = (
+            Schedule.objects.filter(name=name)
+            .exclude(func=func, minutes=minutes)
+            .update(func=func, schedule_type=Schedule.MINUTES, minutes=minutes)
+        )
+        if created or updated:
+            changed.append(name)
+    return changed

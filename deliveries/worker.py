@@ -44,12 +44,19 @@ from django.db import (
 )
 from django.utils import timezone
 
-from project.metrics import ATTEMPTS
+from project.metrics import (
+    ATTEMPTS,
+    DELIVERIES_FINISHED,
+    DISPATCH_DURATION,
+    DISPATCH_FAILURES,
+    status_class,
+)
 
 from . import broker as transport
 from . import jobs, state, tracing, wakeup
 from .egress import EgressError, EgressSession
 from .faults import crash_point
+from .metrics import ENDPOINT_LABELS
 from .models import Endpoint, endpoint_timeout
 from .policy import RetryPolicy, classify, parse_retry_after
 from .services import active_secrets
@@ -120,6 +127,7 @@ def _take(broker, batch_size: int, lease_seconds: float) -> Taken:
         else:
             others.setdefault(m.kind, []).append((task_id, m))
     claimed = _claim(messages, lease_seconds) if messages else None
+    ENDPOINT_LABELS.refresh_if_due()
     return Taken(len(received), messages, others, claimed)
 
 
@@ -142,6 +150,67 @@ def _claim(messages: list[tuple[object, transport.Message]], lease_seconds: floa
             secrets=tuple(secrets.get(e.id, ())),
         )
     return Claimed(leased=leased, targets=targets, skipped=skipped)
+
+
+def _observe(results: list[state.AttemptResult]) -> None:
+    """Metrics and one log line per attempt: DEBUG for a success (the attempt table is
+    the full record; a line per success at thousands a second would cost more than the
+    send), INFO for anything else. Ids, timing and outcome only: never the body, the
+    headers or the secrets. Label lookups are made once per endpoint per batch."""
+    for (outcome, status), n in Counter(
+        (str(r.classification.outcome), status_class(r.status_code)) for r in results
+    ).items():
+        ATTEMPTS.labels(outcome, status).inc(n)
+    by_endpoint: dict = {}
+    for r in results:
+        by_endpoint.setdefault(r.leased.endpoint_id, []).append(r)
+    for endpoint_id, batch in by_endpoint.items():
+        label = ENDPOINT_LABELS.label(endpoint_id)
+        histogram = DISPATCH_DURATION.labels(label)
+        failures = 0
+        for r in batch:
+            histogram.observe(r.duration_ms / 1000)
+            failures += r.classification.outcome != "success"
+        if failures:
+            DISPATCH_FAILURES.labels(label).inc(failures)
+    debug = logger.isEnabledFor(logging.DEBUG)
+    for r in results:
+        success = r.classification.outcome == "success"
+        if success and not debug:
+            continue
+        logger.log(
+            logging.DEBUG if success else logging.INFO,
+            "delivery attempt",
+            extra={
+                "action": "delivery.attempt",
+                "job_type": "delivery",
+                "delivery_id": str(r.leased.id),
+                "event_id": str(r.leased.event_id),
+                "tenant_id": str(r.leased.tenant_id),
+                "endpoint_id": str(r.leased.endpoint_id),
+                "event_type": r.leased.event_type,
+                "attempt": r.leased.attempt_number,
+                "duration_ms": round(r.duration_ms, 1),
+                "outcome": str(r.classification.outcome),
+                "status_code": r.status_code,
+                "error_kind": r.error_kind,
+            },
+        )
+
+
+def _record_disabled(endpoint_ids) -> None:
+    """The incident for endpoints this worker disabled (deliveries/alerts.py). The
+    deliveries are recorded already; failing to record the incident is logged, never
+    allowed to stop the lane."""
+    from .alerts import endpoint_disabled_signal
+
+    close_old_connections()
+    try:
+        endpoint_disabled_signal(endpoint_ids)
+    except (OperationalError, InterfaceError):
+        raise  # retried by the caller
+    except Exception:
+        logger.exception("could not record the incident", extra={"action": "alert.record_failed"})
 
 
 def _run_job(job, messages) -> Counter:
@@ -261,13 +330,31 @@ class Worker:
                 replace(item, trace_context=parents.get(item.id) or item.trace_context)
                 for item in claimed.leased
             ]
+        started = time.perf_counter()
         results, released = await self._send_all(claimed.leased, claimed.targets)
         crash_point("worker.after_send")
         task_ids = [task_id for task_id, _ in messages]
-        for outcome, n in Counter(str(r.classification.outcome) for r in results).items():
-            ATTEMPTS.labels(outcome).inc(n)
+        _observe(results)
         summary, returned = await self._in_db_retrying(
             _record_and_acknowledge, results, self.policy, self.broker, task_ids, released
+        )
+        if summary.succeeded:
+            DELIVERIES_FINISHED.labels("succeeded").inc(summary.succeeded)
+        if summary.dead:
+            DELIVERIES_FINISHED.labels("dead").inc(summary.dead)
+        logger.debug(
+            "batch recorded",
+            extra={
+                "action": "workers.batch",
+                "job_type": "delivery",
+                "messages": len(messages),
+                "attempts": len(results),
+                "skipped": claimed.skipped,
+                "succeeded": summary.succeeded,
+                "retrying": summary.retrying,
+                "dead": summary.dead,
+                "duration_ms": round((time.perf_counter() - started) * 1000, 1),
+            },
         )
         self.counts.update(
             messages=len(messages),
@@ -292,6 +379,8 @@ class Worker:
                 "endpoint disabled",
                 extra={"action": "endpoint.disabled", "endpoint_id": str(endpoint_id)},
             )
+        if summary.disabled_endpoints:
+            await self._in_db_retrying(_record_disabled, summary.disabled_endpoints)
 
     async def _send_all(
         self, leased: list[state.Leased], targets: dict

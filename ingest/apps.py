@@ -11,12 +11,19 @@ class IngestConfig(AppConfig):
     def ready(self) -> None:
         from django.db.models.signals import post_delete, post_save
 
-        from deliveries import jobs
+        from deliveries import alerts, jobs, retention
+        from project.metrics import register_provider
 
+        from .alerts import verification_failure_check
+        from .metrics import inbound_gauges
         from .models import Source, SourceSecret
+        from .retention import inbound_pruner
         from .services import KIND, forget_sources, inbound_process, inbound_schedule
 
         jobs.register(jobs.JobKind(KIND, process=inbound_process, schedule=inbound_schedule))
+        register_provider("inbound", inbound_gauges)
+        alerts.register_check("verification_failures", verification_failure_check)
+        retention.register(inbound_pruner)
         for model in (Source, SourceSecret):
             for signal in (post_save, post_delete):
                 signal.connect(

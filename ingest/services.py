@@ -31,7 +31,13 @@ from deliveries.models import Outbox
 from deliveries.policy import RetryPolicy
 from deliveries.sql import bound_cursor
 from deliveries.state import message_key
-from project.metrics import INBOUND_RECEIVED, INBOUND_REFUSED
+from project.metrics import (
+    INBOUND_HANDLER_DURATION,
+    INBOUND_PROCESSED,
+    INBOUND_RECEIVED,
+    INBOUND_REFUSED,
+    INBOUND_SIGNATURE_FAILURES,
+)
 
 from .handlers import ParsedEvent, handlers_for
 from .models import (
@@ -200,6 +206,7 @@ def inbound_receive(*, source: Source, request: Request, remote: str = "") -> Re
             tolerance=source.replay_tolerance,
         )
     except VerificationFailed as exc:
+        INBOUND_SIGNATURE_FAILURES.labels(source.slug, exc.reason).inc()
         count_refusal(source, exc.reason, remote=remote)
         return Received(401)
     try:
@@ -235,10 +242,14 @@ def inbound_receive(*, source: Source, request: Request, remote: str = "") -> Re
         "inbound received",
         extra={
             "action": "ingest.received",
+            "job_type": KIND,
             "source": source.slug,
             "event_id": meta.event_id,
+            "event_type": meta.event_type,
             "inbound_id": str(event),
             "duplicate": duplicate,
+            "outcome": "duplicate" if duplicate else "accepted",
+            "duration_ms": round((timezone.now() - now).total_seconds() * 1000, 1),
         },
     )
     return Received(200, event, duplicate)
@@ -501,7 +512,24 @@ def inbound_process(messages: Sequence[Message]) -> Counter:
         )
     counts["skipped_messages"] = len(messages) - len(leased)
     for event in InboundEvent.objects.filter(id__in=leased).select_related("source"):
-        counts[_process_one(event, token)] += 1
+        t0 = time.perf_counter()
+        result = _process_one(event, token)
+        counts[result] += 1
+        INBOUND_PROCESSED.labels(event.source.slug, result).inc()
+        logger.info(
+            "inbound processed",
+            extra={
+                "action": "inbound.process",
+                "job_type": KIND,
+                "inbound_id": str(event.id),
+                "source": event.source.slug,
+                "event_id": event.event_id,
+                "event_type": event.event_type,
+                "attempt": event.attempt_count,
+                "outcome": result,
+                "duration_ms": round((time.perf_counter() - t0) * 1000, 1),
+            },
+        )
     return counts
 
 
@@ -554,13 +582,17 @@ def _run_handlers(event: InboundEvent, token: uuid.UUID) -> str:
                     runs.append(_run_row(event, registration.name, started, "stale"))
                     continue
                 t0 = time.perf_counter()
-                registration.func(parsed)
-                ran += 1
-                runs.append(
-                    _run_row(
-                        event, registration.name, started, "ok", (time.perf_counter() - t0) * 1000
+                try:
+                    registration.func(parsed)
+                except Exception:
+                    INBOUND_HANDLER_DURATION.labels(registration.name, "error").observe(
+                        time.perf_counter() - t0
                     )
-                )
+                    raise
+                elapsed = time.perf_counter() - t0
+                INBOUND_HANDLER_DURATION.labels(registration.name, "ok").observe(elapsed)
+                ran += 1
+                runs.append(_run_row(event, registration.name, started, "ok", elapsed * 1000))
             if not registrations:
                 runs.append(_run_row(event, "", started, "no_handler"))
             HandlerRun.objects.bulk_create(runs)

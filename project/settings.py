@@ -201,6 +201,50 @@ FAULT_INJECT_AT = env.str("FAULT_INJECT_AT", default="")
 # /metrics answers a Bearer METRICS_TOKEN, or requests from these addresses.
 METRICS_TOKEN = env.str("METRICS_TOKEN", default="")
 METRICS_ALLOW_IPS = env.list("METRICS_ALLOW_IPS", default=["127.0.0.1", "::1"])
+# Database gauges are recomputed at most this often per process, each provider under a
+# statement timeout (milliseconds).
+METRICS_CACHE_SECONDS = env.float("METRICS_CACHE_SECONDS", default=10.0)
+METRICS_DB_BUDGET_MS = env.int("METRICS_DB_BUDGET_MS", default=500)
+# The endpoint label of the dispatch metrics: these endpoint ids always, plus up to K of
+# the busiest endpoints a process sees; every other endpoint is "other".
+METRICS_ENDPOINTS = env.list("METRICS_ENDPOINTS", default=[])
+METRICS_ENDPOINT_TOP_K = env.int("METRICS_ENDPOINT_TOP_K", default=10)
+
+# --- Alerts (deliveries/alerts.py, docs/operations.md) ------------------------------
+# The tenant whose endpoints receive an "operations.alert" event per incident ("" : no
+# webhook), and the addresses that get an email per incident (empty: no email).
+ALERTS_TENANT = env.str("ALERTS_TENANT", default="")
+ALERTS_EMAIL_TO = env.list("ALERTS_EMAIL_TO", default=[])
+ALERTS_EMAIL_FROM = env.str("ALERTS_EMAIL_FROM", default="")
+# New dead letters between two checks that open an incident.
+ALERTS_DEAD_LETTER_THRESHOLD = env.int("ALERTS_DEAD_LETTER_THRESHOLD", default=1)
+# Signature verification failures of one source between two checks that open one.
+ALERTS_VERIFICATION_FAILURE_THRESHOLD = env.int("ALERTS_VERIFICATION_FAILURE_THRESHOLD", default=20)
+# An incident not seen again for this many seconds is resolved; seen after that, it is a
+# new incident with a new message.
+ALERTS_RESOLVE_AFTER = env.float("ALERTS_RESOLVE_AFTER", default=3600.0)
+
+# --- Mail (Django's; used by the alert emails) ------------------------------------
+# EMAIL_URL: smtp://user:password@host:587 (+tls: submission), consolemail://, …
+if env.str("EMAIL_URL", default=""):
+    globals().update(env.email_url("EMAIL_URL"))
+DEFAULT_FROM_EMAIL = env.str("DEFAULT_FROM_EMAIL", default="webhooks@localhost")
+SERVER_EMAIL = env.str("SERVER_EMAIL", default=DEFAULT_FROM_EMAIL)
+
+# --- Retention (deliveries/retention.py, docs/operations.md) --------------------------
+# Terminal deliveries (with their attempts), published outbox rows and events older than
+# this are pruned; events that carry an Idempotency-Key are kept for at least
+# IDEMPOTENCY_KEY_RETENTION so that a retried request is still recognised.
+RETENTION_DELIVERIES_DAYS = env.float("RETENTION_DELIVERIES_DAYS", default=30.0)
+IDEMPOTENCY_KEY_RETENTION = env.float("IDEMPOTENCY_KEY_RETENTION", default=86400.0)
+# Finished inbound events (with their handler runs) are pruned after this, but never
+# before INBOUND_DEDUPE_WINDOW: the row is the (source, event_id) identity that turns a
+# provider's late retry into a counted duplicate instead of a second processing.
+RETENTION_INBOUND_DAYS = env.float("RETENTION_INBOUND_DAYS", default=30.0)
+INBOUND_DEDUPE_WINDOW = env.float("INBOUND_DEDUPE_WINDOW", default=7 * 86400.0)
+# Finished loop runs and resolved operational events.
+RETENTION_OPERATIONS_DAYS = env.float("RETENTION_OPERATIONS_DAYS", default=30.0)
+PRUNE_BATCH_SIZE = env.int("PRUNE_BATCH_SIZE", default=1000)
 
 # --- Tracing (optional: requirements/otel.txt) ----------------------------------------
 # Off by default; deliveries/tracing.py. A tracer provider the host set up already

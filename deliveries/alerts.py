@@ -1,0 +1,275 @@
+"""Alerts as data: the service records incidents about itself as ``OperationalEvent``
+rows (visible in the admin) and notifies an operator once per incident.
+
+Conditions come from *checks*, functions ``check(now) -> list[Signal]`` run by
+``alerts_check`` (``manage.py check_alerts``, or the django-q2 schedule
+``deliveries.tasks.alerts_pass``, every minute), and from code that sees an incident
+happen (the workers, when they disable an endpoint). Other apps register their checks
+from ``AppConfig.ready`` (``ingest`` registers the verification-failure spike).
+
+One incident, one message: a signal for a (kind, key) that already has an open incident
+refreshes it; the notifier claims each new incident with a guarded UPDATE on
+``notified_at`` and, in that same transaction, publishes the webhook notification as an
+ordinary event to the ALERTS_TENANT's endpoints (signed, retried and logged like every
+delivery). The email goes after the commit, at most once.
+"""
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from urllib.parse import urlsplit
+
+from django.conf import settings
+from django.core.mail import send_mail
+from django.db import IntegrityError, transaction
+from django.db.models import Count, F
+from django.utils import timezone
+
+from project.metrics import OPERATIONAL_EVENTS
+
+from .models import AlertCheckpoint, Delivery, DeliveryState, Endpoint, OperationalEvent, Tenant
+
+logger = logging.getLogger("deliveries.alerts")
+
+ALERT_EVENT_TYPE = "operations.alert"
+Kind = OperationalEvent.Kind
+
+
+@dataclass(frozen=True)
+class Signal:
+    kind: str
+    key: str
+    summary: str
+    severity: str = OperationalEvent.Severity.WARNING
+    details: dict = field(default_factory=dict)
+
+
+Check = Callable[[datetime], list[Signal]]
+CHECKS: dict[str, Check] = {}
+
+
+def register_check(name: str, check: Check) -> None:
+    CHECKS[name] = check
+
+
+# --- Recording ---------------------------------------------------------------------------
+
+
+def operational_event_record(*, signal: Signal, now: datetime) -> tuple[OperationalEvent, bool]:
+    """Open an incident for ``signal``, or refresh the open one for its (kind, key).
+    Returns the incident and whether it was opened now. The partial unique constraint
+    operational_event_open makes two concurrent recorders agree on one incident."""
+    refresh = {
+        "last_seen_at": now,
+        "occurrences": F("occurrences") + 1,
+        "summary": signal.summary[:500],
+        "details": signal.details,
+    }
+    for _ in range(3):
+        open_ = OperationalEvent.objects.filter(
+            kind=signal.kind, key=signal.key, resolved_at__isnull=True
+        )
+        if open_.update(**refresh):
+            event = open_.first()
+            if event is not None:  # else it was resolved in between: open a new one
+                return event, False
+        try:
+            with transaction.atomic():
+                event = OperationalEvent.objects.create(
+                    kind=signal.kind,
+                    key=signal.key[:200],
+                    severity=signal.severity,
+                    summary=signal.summary[:500],
+                    details=signal.details,
+                    first_seen_at=now,
+                    last_seen_at=now,
+                )
+        except IntegrityError:  # another process opened it first: refresh that one
+            continue
+        OPERATIONAL_EVENTS.labels(signal.kind).inc()
+        logger.warning(
+            signal.summary,
+            extra={
+                "action": "alert.opened",
+                "kind": signal.kind,
+                "key": signal.key,
+                "incident_id": event.id,
+                "severity": signal.severity,
+            },
+        )
+        return event, True
+    raise RuntimeError("could not record the operational event")  # pragma: no cover
+
+
+def endpoint_disabled_signal(endpoint_ids: Iterable, *, now: datetime | None = None) -> None:
+    """The workers disabled these endpoints (410 Gone, or failing too long)."""
+    now = now or timezone.now()
+    for endpoint in Endpoint.objects.filter(id__in=list(endpoint_ids)).select_related("tenant"):
+        operational_event_record(
+            signal=Signal(
+                kind=Kind.ENDPOINT_DISABLED,
+                key=str(endpoint.id),
+                severity=OperationalEvent.Severity.CRITICAL,
+                summary=f"Endpoint of tenant {endpoint.tenant.name} disabled: "
+                f"{endpoint.disabled_reason}",
+                details={
+                    "endpoint_id": str(endpoint.id),
+                    "tenant_id": str(endpoint.tenant_id),
+                    "tenant": endpoint.tenant.name,
+                    # The host only: a query string may carry a receiver's token.
+                    "host": urlsplit(endpoint.url).hostname or "",
+                    "reason": endpoint.disabled_reason,
+                },
+            ),
+            now=now,
+        )
+
+
+# --- Checks ------------------------------------------------------------------------------
+
+
+def checkpoint(name: str, now: datetime, *, first_lookback: float = 60.0) -> AlertCheckpoint:
+    """The named checkpoint, locked until the transaction ends (so two checkers do not
+    both count the same interval). Call inside ``transaction.atomic()``."""
+    AlertCheckpoint.objects.get_or_create(
+        name=name, defaults={"checked_at": now - timedelta(seconds=first_lookback)}
+    )
+    return AlertCheckpoint.objects.select_for_update().get(name=name)
+
+
+def dead_letter_check(now: datetime) -> list[Signal]:
+    """Deliveries that went dead since the previous check (index delivery_dead; the
+    alerts tenant's own deliveries are left out, so a dead operator endpoint does not
+    report itself)."""
+    with transaction.atomic():
+        mark = checkpoint("dead_letters", now)
+        since = mark.checked_at
+        dead = Delivery.objects.filter(
+            state=DeliveryState.DEAD, finished_at__gt=since, finished_at__lte=now
+        )
+        if settings.ALERTS_TENANT:
+            dead = dead.exclude(tenant__name=settings.ALERTS_TENANT)
+        by_endpoint = list(
+            dead.values_list("endpoint_id").annotate(n=Count("id")).order_by("-n")[:1000]
+        )
+        mark.checked_at = now
+        mark.save(update_fields=["checked_at"])
+    total = sum(n for _, n in by_endpoint)
+    if total < settings.ALERTS_DEAD_LETTER_THRESHOLD:
+        return []
+    return [
+        Signal(
+            kind=Kind.DEAD_LETTERS,
+            key="all",
+            summary=f"{total} deliveries dead-lettered since {since.isoformat()}",
+            details={
+                "count": total,
+                "since": since.isoformat(),
+                "until": now.isoformat(),
+                "endpoints": {str(e): n for e, n in by_endpoint[:10]},
+            },
+        )
+    ]
+
+
+register_check("dead_letters", dead_letter_check)
+
+
+# --- Running and notifying ---------------------------------------------------------------
+
+
+def alerts_check(*, now: datetime | None = None) -> Counter:
+    """One pass: run every check, record what it signals, resolve incidents quiet for
+    ALERTS_RESOLVE_AFTER, then notify the new ones."""
+    now = now or timezone.now()
+    counts: Counter = Counter()
+    for name, check in CHECKS.items():
+        for signal in check(now):
+            _, opened = operational_event_record(signal=signal, now=now)
+            counts["opened" if opened else "refreshed"] += 1
+        counts[f"checked.{name}"] += 1
+    counts["resolved"] = OperationalEvent.objects.filter(
+        resolved_at__isnull=True,
+        last_seen_at__lt=now - timedelta(seconds=settings.ALERTS_RESOLVE_AFTER),
+    ).update(resolved_at=now)
+    counts["notified"] = notify_pending(now=now)
+    return counts
+
+
+def notify_pending(*, now: datetime, limit: int = 100) -> int:
+    """Notify incidents not yet notified, each at most once (index
+    operational_event_unnotified)."""
+    sent = 0
+    pending = OperationalEvent.objects.filter(notified_at__isnull=True).order_by("first_seen_at")
+    for incident in list(pending[:limit]):
+        with transaction.atomic():
+            if not OperationalEvent.objects.filter(id=incident.id, notified_at__isnull=True).update(
+                notified_at=now
+            ):
+                continue  # another notifier claimed it
+            outcome = {"webhook": _publish_alert(incident)}
+            OperationalEvent.objects.filter(id=incident.id).update(notification=outcome)
+        outcome["email"] = _email_alert(incident)
+        OperationalEvent.objects.filter(id=incident.id).update(notification=outcome)
+        logger.info(
+            "operator notified",
+            extra={"action": "alert.notified", "incident_id": incident.id, **outcome},
+        )
+        sent += 1
+    return sent
+
+
+def _payload(incident: OperationalEvent) -> dict:
+    return {
+        "incident_id": incident.id,
+        "kind": incident.kind,
+        "key": incident.key,
+        "severity": incident.severity,
+        "summary": incident.summary,
+        "details": incident.details,
+        "first_seen_at": incident.first_seen_at.isoformat(),
+    }
+
+
+def _publish_alert(incident: OperationalEvent) -> str:
+    """The webhook: an ``operations.alert`` event to the ALERTS_TENANT's endpoints, in
+    the claiming transaction (so it exists exactly when the claim does)."""
+    if not settings.ALERTS_TENANT:
+        return "off"
+    from .services import publish_event
+
+    tenant = Tenant.objects.filter(name=settings.ALERTS_TENANT).first()
+    if tenant is None:
+        return f"no tenant named {settings.ALERTS_TENANT!r}"
+    event = publish_event(
+        tenant=tenant,
+        event_type=ALERT_EVENT_TYPE,
+        payload=_payload(incident),
+        entity_id=f"incident:{incident.id}",
+        priority=10,
+    )
+    return f"event {event.id}"
+
+
+def _email_alert(incident: OperationalEvent) -> str:
+    if not settings.ALERTS_EMAIL_TO:
+        return "off"
+    lines = [incident.summary, ""]
+    lines += [f"{k}: {v}" for k, v in incident.details.items()]
+    lines += ["", f"kind: {incident.kind}", f"first seen: {incident.first_seen_at.isoformat()}"]
+    try:
+        send_mail(
+            subject=f"[webhooks] {incident.severity}: {incident.summary}"[:200],
+            message="\n".join(lines),
+            from_email=settings.ALERTS_EMAIL_FROM or None,
+            recipient_list=settings.ALERTS_EMAIL_TO,
+        )
+    except Exception as exc:  # SMTP trouble is recorded, not retried: one message at most
+        logger.warning(
+            "alert email failed",
+            extra={"action": "alert.email_failed", "incident_id": incident.id, "error": str(exc)},
+        )
+        return f"failed: {type(exc).__name__}"
+    return "sent"

@@ -1,0 +1,125 @@
+"""/metrics under gunicorn with two workers and PROMETHEUS_MULTIPROC_DIR: counters from
+every web worker and from a separate scheduler process reach one scrape."""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import requests
+from django.utils import timezone
+from prometheus_client.parser import text_string_to_metric_families
+
+from deliveries import services, state
+from deliveries.loops import scheduler_tick
+from deliveries.models import Delivery
+from ingest.services import source_create
+from tests.conftest import manage, subprocess_env
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "multiproc-metrics-token"
+
+
+def _get(url: str, **headers) -> tuple[int, bytes]:
+    response = requests.get(url, headers=headers, timeout=10)
+    return response.status_code, response.content
+
+
+def _post(url: str, body: bytes) -> int:
+    headers = {"content-type": "application/json", "stripe-signature": "t=1,v1=00"}
+    return requests.post(url, data=body, headers=headers, timeout=10).status_code
+
+
+def _samples(text: bytes) -> dict:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text.decode())
+        for s in family.samples
+    }
+
+
+def test_counters_of_every_process_reach_one_scrape(tmp_path, tenant, make_endpoint):
+    source_create(slug="mp", scheme="stripe", secrets=["whsec_mp_secret"])
+    make_endpoint("http://127.0.0.1:9/x")
+    services.publish_event(tenant=tenant, event_type="t", payload={})
+    scheduler_tick()
+    delivery = Delivery.objects.get()
+    now = timezone.now()
+    state.lease([(delivery.id, 1)], now=now, lease_seconds=60)
+    Delivery.objects.update(lease_until=now - timedelta(seconds=1))
+
+    multiproc = tmp_path / "prometheus"
+    multiproc.mkdir()
+    env = subprocess_env(
+        PROMETHEUS_MULTIPROC_DIR=str(multiproc),
+        METRICS_TOKEN=TOKEN,
+        METRICS_ALLOW_IPS="",
+        GUNICORN_WORKERS="2",
+    )
+    # The scheduler, another process, expires the lease: its counter lands in the dir.
+    done = manage("run_scheduler", "--once", env=env)
+    assert done.returncode == 0, done.stderr
+    assert "lease_expired=1" in done.stdout
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    port = listener.getsockname()[1]
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "-c",
+            "project/gunicorn.conf.py",
+            "--bind",
+            f"fd://{listener.fileno()}",
+        ],
+        cwd=ROOT,
+        env=env,
+        pass_fds=(listener.fileno(),),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    listener.close()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert time.monotonic() < deadline, "gunicorn did not start"
+            assert server.poll() is None, server.stderr.read().decode()
+            try:
+                if _get(f"{base}/healthz")[0] == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.1)
+
+        body = json.dumps({"id": "evt_1", "object": "event", "type": "x"}).encode()
+        with ThreadPoolExecutor(8) as pool:
+            statuses = list(pool.map(lambda _: _post(f"{base}/ingest/mp/", body), range(40)))
+        assert statuses == [401] * 40
+
+        assert _get(f"{base}/metrics")[0] == 403  # no token, no allowed address
+        status, text = _get(f"{base}/metrics", Authorization=f"Bearer {TOKEN}")
+        assert status == 200
+    finally:
+        server.terminate()
+        server.wait(30)
+
+    samples = _samples(text)
+    refused = {"source": "mp", "reason": "malformed_signature"}
+    key = ("webhooks_inbound_refused_total", tuple(sorted(refused.items())))
+    assert samples.get(key) == 40, [k for k in samples if k[0].startswith("webhooks_inbound")]
+    assert samples[("webhooks_lease_expiries_total", (("job", "delivery"),))] == 1
+    # The database gauges come with the same scrape.
+    assert samples[("webhooks_deliveries", (("state", "pending"),))] == 1
+    # Each process that counted kept its own file: the scheduler and the web workers.
+    assert len(list(multiproc.glob("counter_*.db"))) >= 2

@@ -1,0 +1,251 @@
+"""/metrics: one test per metric family, scraped through the real view, on PostgreSQL."""
+
+import json
+import time
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+from django.test import Client
+from django.utils import timezone
+from prometheus_client.parser import text_string_to_metric_families
+
+from deliveries import services, state
+from deliveries.loops import relay_tick, scheduler_tick
+from deliveries.metrics import EndpointLabels
+from deliveries.models import Delivery, Outbox
+from ingest import handlers
+from ingest.schemes import get_scheme
+from ingest.services import source_create
+from project import metrics
+from tests.conftest import drain, run_workers
+from tests.receiver import always
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def scrape(*, fresh: bool = True, **client) -> dict:
+    """{(sample name, sorted label items): value} from the real view."""
+    if fresh:
+        metrics.DATABASE_COLLECTOR.clear()
+    response = Client(**client).get("/metrics")
+    assert response.status_code == 200, response.content
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(response.content.decode())
+        for s in family.samples
+    }
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_need_the_token_or_an_allowed_address(settings):
+    settings.METRICS_TOKEN = "metrics-token-1234"
+    outside = {"REMOTE_ADDR": "203.0.113.9"}
+    assert Client(**outside).get("/metrics").status_code == 403
+    assert Client(**outside, HTTP_AUTHORIZATION="Bearer wrong").get("/metrics").status_code == 403
+    ok = Client(**outside, HTTP_AUTHORIZATION="Bearer metrics-token-1234").get("/metrics")
+    assert ok.status_code == 200
+    assert b"webhooks_deliveries" in ok.content
+    settings.METRICS_TOKEN = ""
+    assert Client(**outside, HTTP_AUTHORIZATION="Bearer ").get("/metrics").status_code == 403
+    assert Client().get("/metrics").status_code == 200  # 127.0.0.1 is allowed by default
+
+
+def test_deliveries_by_state_dead_letters_relay_lag_and_queue_depth(tenant, make_endpoint):
+    make_endpoint("http://127.0.0.1:9/x")
+    events = [services.publish_event(tenant=tenant, event_type="t", payload={}) for _ in range(3)]
+    state.cancel(delivery_ids=[Delivery.objects.get(event=events[0]).id], now=timezone.now())
+
+    s = scrape()
+    assert value(s, "webhooks_deliveries", state="pending") == 2
+    assert value(s, "webhooks_deliveries", state="dead") == 1
+    assert value(s, "webhooks_deliveries", state="enqueued") == 0
+    assert value(s, "webhooks_dead_letters", outcome="cancelled") == 1
+
+    scheduler_tick()
+    Outbox.objects.update(created_at=timezone.now() - timedelta(seconds=30))
+    s = scrape()
+    assert value(s, "webhooks_deliveries", state="enqueued") == 2
+    assert value(s, "webhooks_outbox_unpublished") == 2
+    assert 30 <= value(s, "webhooks_outbox_relay_lag_seconds") < 60
+    assert value(s, "webhooks_queue_depth", queue="webhooks", visibility="visible") == 0
+
+    relay_tick()
+    s = scrape()
+    assert value(s, "webhooks_outbox_unpublished") == 0
+    assert value(s, "webhooks_outbox_relay_lag_seconds") == 0
+    assert value(s, "webhooks_queue_depth", queue="webhooks", visibility="visible") == 2
+    assert value(s, "webhooks_loop_heartbeat_age_seconds", kind="scheduler") == 0  # no LoopRun
+    assert value(s, "webhooks_metrics_provider_up", provider="deliveries") == 1
+    assert value(s, "webhooks_metrics_provider_up", provider="inbound") == 1
+
+
+def test_oldest_due_delivery_age_reads_every_priority(tenant, make_endpoint):
+    make_endpoint("http://127.0.0.1:9/x")
+    now = timezone.now()
+    for priority, due_ago in [(5, 100), (0, 250), (-3, -500)]:
+        event = services.publish_event(tenant=tenant, event_type="t", payload={}, priority=priority)
+        Delivery.objects.filter(event=event).update(
+            next_attempt_at=now - timedelta(seconds=due_ago)
+        )
+
+    age = value(scrape(), "webhooks_oldest_due_delivery_age_seconds")
+    assert 250 <= age < 260
+
+    Delivery.objects.update(next_attempt_at=now + timedelta(hours=1))
+    assert value(scrape(), "webhooks_oldest_due_delivery_age_seconds") == 0
+
+
+def test_database_gauges_are_cached_briefly(tenant, make_endpoint, settings):
+    settings.METRICS_CACHE_SECONDS = 60
+    make_endpoint("http://127.0.0.1:9/x")
+    services.publish_event(tenant=tenant, event_type="t", payload={})
+    assert value(scrape(), "webhooks_deliveries", state="pending") == 1
+
+    services.publish_event(tenant=tenant, event_type="t", payload={})
+    assert value(scrape(fresh=False), "webhooks_deliveries", state="pending") == 1
+    assert value(scrape(), "webhooks_deliveries", state="pending") == 2
+
+
+def test_attempts_by_outcome_and_dispatches_per_endpoint_with_bounded_labels(
+    tenant, receiver, settings, monkeypatch
+):
+    receiver.behaviours["/fail"] = always(500)
+    busy, _ = services.endpoint_create(tenant=tenant, url=receiver.url("/busy"))
+    listed, _ = services.endpoint_create(tenant=tenant, url=receiver.url("/fail"))
+    quiet, _ = services.endpoint_create(tenant=tenant, url=receiver.url("/quiet"))
+    settings.METRICS_ENDPOINT_TOP_K = 1
+    settings.METRICS_ENDPOINTS = [str(listed.id)]
+    monkeypatch.setattr("deliveries.worker.ENDPOINT_LABELS", EndpointLabels())
+    for _ in range(3):
+        services.publish_event(tenant=tenant, event_type="t", payload={}, endpoint_ids=[busy.id])
+    services.publish_event(tenant=tenant, event_type="t", payload={}, endpoint_ids=[listed.id])
+    services.publish_event(tenant=tenant, event_type="t", payload={}, endpoint_ids=[quiet.id])
+    before = scrape()
+
+    scheduler_tick()
+    relay_tick()
+    run_workers(lanes=1)
+    after = scrape()
+
+    def delta(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("webhooks_attempts_total", outcome="success", status_class="2xx") == 4
+    assert delta("webhooks_attempts_total", outcome="retry", status_class="5xx") == 1
+    count = "webhooks_dispatch_duration_seconds_count"
+    assert delta(count, endpoint=str(busy.id)) == 3  # the busiest: top-1
+    assert delta(count, endpoint=str(listed.id)) == 1  # listed in METRICS_ENDPOINTS
+    assert delta(count, endpoint="other") == 1  # everyone else
+    assert delta(count, endpoint=str(quiet.id)) == 0
+    assert delta("webhooks_dispatch_failures_total", endpoint=str(listed.id)) == 1
+    assert delta("webhooks_deliveries_finished_total", state="succeeded") == 4
+    assert value(after, "webhooks_dispatch_duration_seconds_sum", endpoint=str(busy.id)) > 0
+
+
+def test_lease_expiries_and_lost_dispatches_are_counted(tenant, make_endpoint, settings):
+    make_endpoint("http://127.0.0.1:9/x")
+    for _ in range(2):
+        services.publish_event(tenant=tenant, event_type="t", payload={})
+    before = scrape()
+    scheduler_tick()
+    first, second = Delivery.objects.order_by("id")
+    now = timezone.now()
+    state.lease([(first.id, 1)], now=now, lease_seconds=60)
+    Delivery.objects.filter(id=first.id).update(lease_until=now - timedelta(seconds=1))
+    Delivery.objects.filter(id=second.id).update(enqueued_at=now - timedelta(hours=1))
+
+    counts = scheduler_tick().counts
+    assert counts["lease_expired"] == 1 and counts["transport_lost"] == 1
+    after = scrape()
+    for name in ("webhooks_lease_expiries_total", "webhooks_lost_dispatches_total"):
+        assert value(after, name, job="delivery") - value(before, name, job="delivery") == 1
+
+
+def _signed(body: bytes, secret: str) -> dict:
+    signed = get_scheme("stripe").sign(body=body, secret=secret)
+    signed.pop("content-type", None)
+    return {f"HTTP_{k.upper().replace('-', '_')}": v for k, v in signed.items()}
+
+
+def test_inbound_received_duplicate_refused_signature_failures_and_handlers():
+    source_create(slug="metrics-src", scheme="stripe", secrets=["whsec_metrics_source"])
+    registration = handlers.Registration("metrics-src", "*", lambda e: time.sleep(0.01))
+    handlers.REGISTRY.append(registration)
+    try:
+        before = scrape()
+        body = json.dumps(
+            {"id": "evt_m1", "object": "event", "type": "a.b", "created": int(time.time())}
+        ).encode()
+        client = Client()
+        for _ in range(2):  # the second copy is a duplicate
+            r = client.post(
+                "/ingest/metrics-src/",
+                body,
+                content_type="application/json",
+                **_signed(body, "whsec_metrics_source"),
+            )
+            assert r.status_code == 200
+        bad = client.post(
+            "/ingest/metrics-src/", body, content_type="application/json", **_signed(body, "x")
+        )
+        assert bad.status_code == 401
+        wrong_type = client.post(
+            "/ingest/metrics-src/",
+            body,
+            content_type="text/plain",
+            **_signed(body, "whsec_metrics_source"),
+        )
+        assert wrong_type.status_code == 415
+        pending = scrape()
+        assert value(pending, "webhooks_inbound_events", state="enqueued") == 1
+        drain()
+        after = scrape()
+    finally:
+        handlers.REGISTRY.remove(registration)
+
+    def delta(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    src = {"source": "metrics-src"}
+    assert delta("webhooks_inbound_received_total", **src, duplicate="false") == 1
+    assert delta("webhooks_inbound_received_total", **src, duplicate="true") == 1
+    assert delta("webhooks_inbound_refused_total", **src, reason="bad_signature") == 1
+    assert delta("webhooks_inbound_refused_total", **src, reason="content_type") == 1
+    assert delta("webhooks_inbound_signature_failures_total", **src, reason="bad_signature") == 1
+    assert delta("webhooks_inbound_signature_failures_total", **src, reason="content_type") == 0
+    # The fleet-wide count kept in the database.
+    assert (
+        value(after, "webhooks_inbound_verification_failures_total", **src, reason="bad_signature")
+        == 1
+    )
+    assert delta("webhooks_inbound_processed_total", **src, result="processed") == 1
+    name = registration.name
+    assert delta("webhooks_inbound_handler_duration_seconds_count", handler=name, outcome="ok") == 1
+    assert (
+        value(after, "webhooks_inbound_handler_duration_seconds_sum", handler=name, outcome="ok")
+        >= 0.01
+    )
+    assert value(after, "webhooks_inbound_events", state="enqueued") == 0
+
+
+def test_a_failing_or_slow_provider_is_reported_and_does_not_break_the_scrape(settings):
+    settings.METRICS_DB_BUDGET_MS = 50
+
+    def slow(now):
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_sleep(2)")
+        return []
+
+    metrics.register_provider("slow", slow)
+    try:
+        started = time.monotonic()
+        s = scrape()
+        assert time.monotonic() - started < 1.5
+    finally:
+        del metrics.PROVIDERS["slow"]
+    assert value(s, "webhooks_metrics_provider_up", provider="slow") == 0
+    assert value(s, "webhooks_metrics_provider_up", provider="deliveries") == 1
