@@ -15,13 +15,14 @@ class IngestConfig(AppConfig):
         from project.metrics import register_provider
 
         from .alerts import verification_failure_check
-        from .metrics import inbound_gauges
+        from .metrics import inbound_gauges, polling_gauges
         from .models import Source, SourceSecret
         from .retention import inbound_pruner
         from .services import KIND, forget_sources, inbound_process, inbound_schedule
 
         jobs.register(jobs.JobKind(KIND, process=inbound_process, schedule=inbound_schedule))
         register_provider("inbound", inbound_gauges)
+        register_provider("polling", polling_gauges)
         alerts.register_check("verification_failures", verification_failure_check)
         retention.register(inbound_pruner)
         for model in (Source, SourceSecret):

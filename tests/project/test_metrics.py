@@ -249,3 +249,55 @@ def test_a_failing_or_slow_provider_is_reported_and_does_not_break_the_scrape(se
         del metrics.PROVIDERS["slow"]
     assert value(s, "webhooks_metrics_provider_up", provider="slow") == 0
     assert value(s, "webhooks_metrics_provider_up", provider="deliveries") == 1
+
+
+def test_poll_cursors_and_backfill_progress():
+    from ingest.models import BackfillRun, PollSource, Source
+
+    now = timezone.now()
+    source = Source.objects.create(slug="crm", scheme="poll")
+    poll = PollSource.objects.create(
+        source=source,
+        cursor_at=now - timedelta(seconds=120),
+        last_poll_at=now - timedelta(seconds=30),
+        last_poll_counts={"stored": 7, "duplicates": 2},
+    )
+    run = BackfillRun.objects.create(
+        source=poll,
+        since=now - timedelta(days=10),
+        until=now,
+        rate=5,
+        page_size=100,
+        started_by="ops",
+        created_at=now,
+        checkpoint_at=now - timedelta(days=5),
+        processed=400,
+        stored=390,
+        duplicates=10,
+        active_seconds=80,
+    )
+    BackfillRun.objects.create(
+        source=poll,
+        state="completed",
+        since=now - timedelta(days=1),
+        until=now,
+        rate=5,
+        page_size=100,
+        started_by="ops",
+        created_at=now - timedelta(hours=1),
+    )
+
+    samples = scrape()
+    crm = {"source": "crm"}
+    assert 119 <= value(samples, "webhooks_poll_cursor_age_seconds", **crm) <= 180
+    assert 29 <= value(samples, "webhooks_poll_last_run_age_seconds", **crm) <= 90
+    assert value(samples, "webhooks_poll_last_run_records", **crm, outcome="stored") == 7
+    assert value(samples, "webhooks_backfill_runs", state="running") == 1
+    assert value(samples, "webhooks_backfill_runs", state="completed") == 1
+    one = {"run": str(run.id), "source": "crm"}
+    assert value(samples, "webhooks_backfill_records", **one, kind="stored") == 390
+    assert value(samples, "webhooks_backfill_progress_ratio", **one) == pytest.approx(0.5, 0.01)
+    assert value(samples, "webhooks_backfill_rate", **one) == 5.0  # 400 records in 80 s
+    assert value(samples, "webhooks_backfill_eta_seconds", **one) == pytest.approx(80, 0.05)
+    # Only unfinished runs get their own series.
+    assert sum(1 for name, labels in samples if name == "webhooks_backfill_records") == 3
