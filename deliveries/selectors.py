@@ -7,6 +7,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from .models import Delivery, DeliveryState, LoopRun, Outbox
+from .state import message_key
 
 # A loop whose heartbeat is older than this is taken as not running.
 LOOP_STALE_AFTER = timedelta(seconds=60)
@@ -72,7 +73,8 @@ def delivery_explain(delivery: Delivery, *, now: datetime | None = None) -> Expl
             details,
         )
     if state == DeliveryState.ENQUEUED:
-        outbox = Outbox.objects.filter(ref_id=d.id, dispatch=d.dispatch_count).first()
+        # By its unique message key: ref_id is not indexed.
+        outbox = Outbox.objects.filter(message_key=message_key(d.id, d.dispatch_count)).first()
         stale_at = d.enqueued_at + timedelta(seconds=settings.SCHEDULER_STALE_ENQUEUED_SECONDS)
         if outbox and outbox.published_at is None:
             alive = _loop_alive("relay", now)
