@@ -7,11 +7,15 @@ One unit of work (``Worker.process_batch``):
 2. lease their deliveries in one transaction (skipping stale or raced copies) and load
    what sending needs: endpoints, secrets, bodies;
 3. send every request concurrently, with no transaction open, through the egress module;
-4. record all attempts and transitions in one transaction;
-5. acknowledge the batch on the broker.
+4. record the attempts and transitions in one transaction (a batch whose answers come in
+   over time is recorded in groups, every ``RECORD_EVERY`` seconds);
+5. acknowledge the recorded messages on the broker.
 
-Several batches run at once (``lanes``) so that the database work of one overlaps the
-network work of another. A worker that dies anywhere in this leaves either unacknowledged
+Several lanes take batches at once so that the database work of one overlaps the network
+work of another, and a lane does not wait for its batch's answers: it takes the next
+batch as long as there is room under the concurrency ceiling. An endpoint that sleeps
+30 s per request holds only its own request slots (and at most its concurrency ceiling
+of them), never a lane (docs/reliability.md, head-of-line isolation). A worker that dies anywhere in this leaves either unacknowledged
 messages (redelivered after the visibility timeout) or a lease (returned by the
 scheduler when it runs out): late, never lost.
 """
@@ -50,6 +54,11 @@ from .services import active_secrets
 from .signing import signature_header
 
 logger = logging.getLogger("deliveries.worker")
+
+# Seconds between recordings of a batch whose answers come in over time.
+RECORD_EVERY = 0.2
+# Seconds a lane waits when every request slot is taken.
+SLOT_WAIT = 0.01
 
 # Headers the protocol owns; an endpoint's custom headers cannot replace them.
 PROTOCOL_HEADERS = frozenset(
@@ -166,7 +175,9 @@ class Worker:
             settings.DELIVERY_LEASE_SECONDS, settings.DELIVERY_MAX_TIMEOUT + 15
         )
         self.name = f"{socket.gethostname()}:{os.getpid()}"
-        self.in_flight = asyncio.Semaphore(concurrency or settings.WORKER_CONCURRENCY)
+        self.concurrency = concurrency or settings.WORKER_CONCURRENCY
+        self.in_flight = asyncio.Semaphore(self.concurrency)
+        self.sending = 0  # leased deliveries whose requests are out or being recorded
         self.egress = egress
         self.db = ThreadPoolExecutor(max_workers=lanes + 1, thread_name_prefix="worker-db")
         self.counts: Counter = Counter()
@@ -189,13 +200,24 @@ class Worker:
         return None
 
     async def process_batch(self) -> int:
-        """One unit of work; returns how many broker messages it handled."""
-        taken = await self._in_db(_take, self.broker, self.batch_size, self.lease_seconds)
+        """One unit of work, to its end; returns how many broker messages it handled."""
+        handled, sending = await self._take_and_start(self.batch_size)
+        if sending is not None:
+            await sending
+        return handled
+
+    async def _take_and_start(self, limit: int) -> tuple[int, "asyncio.Task | None"]:
+        """Dequeue and lease up to ``limit`` messages, run the other kinds' jobs, and
+        start sending the deliveries in a task of their own (returned), so that the lane
+        can take the next batch while these requests are out."""
+        taken = await self._in_db(_take, self.broker, limit, self.lease_seconds)
         for kind, items in taken.others.items():
             await self._process_other(kind, items)
+        sending = None
         if taken.messages:
-            await self._deliver(taken.messages, taken.claimed)
-        return taken.received
+            self.sending += len(taken.claimed.leased)
+            sending = asyncio.create_task(self._deliver(taken.messages, taken.claimed))
+        return taken.received, sending
 
     async def _process_other(self, kind: str, items: list) -> None:
         """Jobs registered by other apps (deliveries.jobs); unknown kinds are left
@@ -211,20 +233,49 @@ class Worker:
         self.counts.update({f"{kind}.{k}": v for k, v in counts.items()})
 
     async def _deliver(self, messages: list[tuple[object, str]], claimed: "Claimed") -> None:
+        """Send a leased batch and record it as the answers come in: what has finished
+        is recorded (and its messages acknowledged) every RECORD_EVERY seconds, so a
+        delivery that shares a batch with one to an endpoint that takes 30 s to answer
+        is not held until then. A batch that answers within the window is recorded in
+        one transaction, as before."""
         crash_point("worker.after_lease")
-        results = await asyncio.gather(
-            *(self._send(item, claimed.targets[item.endpoint_id]) for item in claimed.leased)
-        )
+        by_delivery: dict = {}
+        for task_id, m in messages:
+            by_delivery.setdefault(m.job_id, []).append(task_id)
+        leased_ids = {item.id for item in claimed.leased}
+        # Messages that leased nothing (stale or raced copies) go with the first group.
+        unmatched = [
+            t for job_id, ids in by_delivery.items() if job_id not in leased_ids for t in ids
+        ]
+        pending = {
+            asyncio.create_task(self._send(item, claimed.targets[item.endpoint_id]))
+            for item in claimed.leased
+        }
+        self.counts.update(messages=len(messages), skipped=claimed.skipped)
+        try:
+            while pending or unmatched:
+                done = set()
+                if pending:
+                    done, pending = await asyncio.wait(pending, timeout=RECORD_EVERY)
+                    if not done:
+                        continue
+                results = [task.result() for task in done]
+                task_ids = unmatched + [t for r in results for t in by_delivery[r.leased.id]]
+                unmatched = []
+                await self._record(results, task_ids)
+        finally:
+            for task in pending:
+                task.cancel()
+            self.sending -= len(claimed.leased)
+
+    async def _record(self, results: list, task_ids: list) -> None:
         crash_point("worker.after_send")
-        task_ids = [task_id for task_id, _ in messages]
         for outcome, n in Counter(str(r.classification.outcome) for r in results).items():
             ATTEMPTS.labels(outcome).inc(n)
         summary = await self._in_db_retrying(
             _record_and_acknowledge, list(results), self.policy, self.broker, task_ids
         )
         self.counts.update(
-            messages=len(messages),
-            skipped=claimed.skipped,
             succeeded=summary.succeeded,
             retrying=summary.retrying,
             dead=summary.dead,
@@ -322,24 +373,58 @@ class Worker:
     async def _lane(
         self, stop: asyncio.Event, once: bool, until_idle: bool, idle_sleep: float
     ) -> None:
+        """Take a batch whenever there is room under the concurrency ceiling; the batch's
+        requests go out in their own task while the lane takes the next one. Requests
+        that hang (an endpoint that sleeps) therefore hold their own slots, not the lane.
+        """
         backoff = 0.5
-        while not stop.is_set():
-            try:
-                handled = await self.process_batch()
-                backoff = 0.5
-            except (OperationalError, InterfaceError) as exc:
-                logger.warning(
-                    "database unavailable, retrying",
-                    extra={"action": "workers.db_error", "error": str(exc)},
-                )
-                await self._in_db(_close_connection)
-                await _wait(stop, backoff)
-                backoff = min(backoff * 2, 10.0)
-                continue
-            if once or (until_idle and handled == 0):
-                return
-            if handled == 0:
-                await _wait(stop, idle_sleep)
+        mine: set[asyncio.Task] = set()
+        try:
+            while not stop.is_set():
+                room = min(self.batch_size, self.concurrency - self.sending)
+                if room <= 0:
+                    await _wait(stop, SLOT_WAIT)
+                    continue
+                try:
+                    handled, sending = await self._take_and_start(room)
+                    backoff = 0.5
+                except (OperationalError, InterfaceError) as exc:
+                    logger.warning(
+                        "database unavailable, retrying",
+                        extra={"action": "workers.db_error", "error": str(exc)},
+                    )
+                    await self._in_db(_close_connection)
+                    await _wait(stop, backoff)
+                    backoff = min(backoff * 2, 10.0)
+                    continue
+                if sending is not None:
+                    mine.add(sending)
+                    sending.add_done_callback(mine.discard)
+                    sending.add_done_callback(_log_failure)
+                if once:
+                    return
+                if until_idle and handled == 0:
+                    if not mine:
+                        return
+                    await asyncio.wait(mine)  # what is out may come back as retries
+                    continue
+                if handled == 0:
+                    await _wait(stop, idle_sleep)
+        finally:
+            # Stopping finishes the requests under way and records them.
+            if mine:
+                await asyncio.wait(mine)
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    """A batch that could not be recorded (the database stayed away through every
+    retry) is left to the lease and the visibility timeout: late, not lost."""
+    if task.cancelled() or task.exception() is None:
+        return
+    logger.warning(
+        "batch not recorded; its leases will expire",
+        extra={"action": "workers.record_failed", "error": str(task.exception())},
+    )
 
 
 def close_thread_connections(executor: ThreadPoolExecutor, threads: int) -> None:

@@ -603,6 +603,14 @@ def print_ledger(out: dict, chaos: dict, inbound: dict, cfg: Config) -> None:
 
 def run(cfg: Config) -> int:
     print(f"soak: seed {cfg.seed}, {cfg.events} events, {cfg.inbound} inbound", flush=True)
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    # SIGTERM (and SIGINT, even where a background shell ignores it) unwind through the
+    # clean-up below: every child stopped, the private cluster removed.
+    signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, interrupted)
     started = time.monotonic()
     cluster = PrivateCluster().start()
     fleet = web = receiver = None
@@ -814,7 +822,11 @@ def run(cfg: Config) -> int:
             if p.popen.poll() is None:
                 p.popen.kill()
         if web is not None and web.poll() is None:
-            web.kill()
+            web.terminate()  # the master stops its workers
+            try:
+                web.wait(20)
+            except subprocess.TimeoutExpired:
+                web.kill()
         cluster.stop()
 
 
