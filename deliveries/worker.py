@@ -15,9 +15,11 @@ Several lanes take batches at once so that the database work of one overlaps the
 work of another, and a lane does not wait for its batch's answers: it takes the next
 batch as long as there is room under the concurrency ceiling. An endpoint that sleeps
 30 s per request holds only its own request slots (and at most its concurrency ceiling
-of them), never a lane (docs/reliability.md, head-of-line isolation). A worker that dies anywhere in this leaves either unacknowledged
-messages (redelivered after the visibility timeout) or a lease (returned by the
-scheduler when it runs out): late, never lost.
+of them), never a lane (docs/reliability.md, head-of-line isolation).
+
+A worker that dies anywhere in this leaves either unacknowledged messages (redelivered
+after the visibility timeout) or a lease (returned by the scheduler when it runs out):
+late, never lost.
 """
 
 import asyncio

@@ -311,32 +311,37 @@ def send_inbound(cfg: Config, url: str, secret: str, stats: SendStats, pace: flo
     stats.events = n
     try:
         for event_id in copies:
-            body = bodies[event_id]
-            deadline = time.monotonic() + 120
-            while True:
-                headers = scheme.sign(body=body, secret=secret, event_id=event_id)
-                request = urllib.request.Request(url, data=body, headers=headers, method="POST")  # noqa: S310
-                try:
-                    with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
-                        answer = json.loads(response.read() or b"{}")
-                    stats.copies += 1
-                    if answer.get("status") == "duplicate":
-                        stats.duplicate += 1
-                    else:
-                        stats.accepted += 1
-                    break
-                except (urllib.error.URLError, OSError, ValueError):
-                    stats.retried += 1
-                    if time.monotonic() > deadline:
-                        stats.failed += 1
-                        break
-                    time.sleep(0.2)
+            answer = post_signed(scheme, url, secret, event_id, bodies[event_id], stats)
+            if answer is None:
+                stats.failed += 1
+            elif answer.get("status") == "duplicate":
+                stats.duplicate += 1
+            else:
+                stats.accepted += 1
             time.sleep(pace)
     except Exception as exc:
         stats.error = repr(exc)
         raise
     finally:
         stats.done.set()
+
+
+def post_signed(scheme, url, secret, event_id, body, stats, patience: float = 120):
+    """POST one copy, freshly signed, until the server answers 2xx (as a provider
+    retries); returns the JSON answer, or None if it never did."""
+    deadline = time.monotonic() + patience
+    while True:
+        headers = scheme.sign(body=body, secret=secret, event_id=event_id)
+        request = urllib.request.Request(url, data=body, headers=headers, method="POST")  # noqa: S310
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
+                stats.copies += 1
+                return json.loads(response.read() or b"{}")
+        except (urllib.error.URLError, OSError, ValueError):
+            stats.retried += 1
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.2)
 
 
 # --- The ledger --------------------------------------------------------------------------
