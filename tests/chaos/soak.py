@@ -737,6 +737,22 @@ def run(cfg: Config) -> int:
                     flush=True,
                 )
 
+        def waiting() -> dict:
+            found = Counter(
+                f"delivery {s}"
+                for s in Delivery.objects.exclude(state__in=["succeeded", "dead"]).values_list(
+                    "state", flat=True
+                )
+            ) + Counter(
+                f"inbound {s}"
+                for s in InboundEvent.objects.filter(
+                    state__in=["pending", "enqueued", "processing"]
+                ).values_list("state", flat=True)
+            )
+            found["queue messages"] = QueueMessage.objects.count()
+            connection.close()
+            return dict(found)
+
         # Drain: no more chaos; whatever is still armed may yet die at its point and is
         # restarted unarmed.
         drain_started = time.monotonic()
@@ -766,6 +782,9 @@ def run(cfg: Config) -> int:
             if not busy:
                 drained = True
                 break
+            if time.monotonic() - last_report > 10:
+                last_report = time.monotonic()
+                print(f"soak: draining, waiting for {waiting()}", flush=True)
             time.sleep(1)
         drain_seconds = time.monotonic() - drain_started
         fleet.reap(restart=False)
