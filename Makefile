@@ -49,5 +49,11 @@ bench: $(VENV)/.dev-installed
 	$(PY) bench/ingest.py; \
 	$(PY) bench/admin_log.py
 
+## make soak: the drain-and-count chaos run (docs/reliability.md): 100,000 events through
+## the real commands while they are killed, on a private PostgreSQL cluster it starts,
+## restarts once and removes. SOAK_ARGS="--events 20000 --seed 7" to change it.
+soak: $(VENV)/.dev-installed
+	$(PY) -m tests.chaos.soak $(SOAK_ARGS)
+
 clean:
 	rm -rf $(VENV) var/*.sqlite3*

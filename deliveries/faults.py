@@ -1,8 +1,10 @@
 """Crash-boundary fault injection.
 
 ``FAULT_INJECT_AT=<point>`` makes the process die at that point with ``os._exit`` (no
-cleanup, no rollback handlers, no acknowledgements: what ``kill -9`` does). The crash
-tests and the soak run the real commands with it set. The named points:
+cleanup, no rollback handlers, no acknowledgements: what ``kill -9`` does), the first
+time it gets there or, with ``FAULT_INJECT_AFTER=n``, the n-th time (the soak uses that
+to let a process work a while before it dies at a named point). The crash tests and the
+soak run the real commands with it set. The named points:
 
 - ``relay.before_publish``: outbox rows committed and claimed, nothing on the broker yet.
 - ``relay.after_publish``: the broker accepted the messages, publication not recorded.
@@ -19,8 +21,13 @@ POINTS = frozenset(
 )
 CRASH_EXIT_CODE = 137
 
+_reached = 0
+
 
 def crash_point(name: str) -> None:
+    global _reached
     assert name in POINTS, name
     if name == settings.FAULT_INJECT_AT:
-        os._exit(CRASH_EXIT_CODE)
+        _reached += 1
+        if _reached >= settings.FAULT_INJECT_AFTER:
+            os._exit(CRASH_EXIT_CODE)

@@ -41,7 +41,6 @@ from .sql import bound_cursor
 
 logger = logging.getLogger("deliveries")
 
-RELAY_CLAIM_SECONDS = 30
 SOON_WAIT = 0.02
 BLOCKED_WAIT = 0.05
 
@@ -112,7 +111,7 @@ def _count_recoveries(counts: Counter) -> None:
 def relay_tick(*, page_size: int | None = None, b=None) -> Tick:
     """Publish one page of unpublished outbox rows to the broker.
 
-    The page is claimed for RELAY_CLAIM_SECONDS in a short transaction, published with no
+    The page is claimed for ``RELAY_CLAIM_SECONDS`` in a short transaction, published with no
     transaction open, then marked published. A relay that dies in between leaves the
     rows to be published again after the claim runs out: the broker may then carry two
     copies of a message, which the workers' lease guard turns into one attempt.
@@ -184,9 +183,9 @@ RETURNING id, ref_id, dispatch, priority, kind
 
 
 def _claim_outbox(now, page_size: int) -> list[tuple]:
-    """Claim a page of unpublished outbox rows for RELAY_CLAIM_SECONDS, oldest first.
+    """Claim a page of unpublished outbox rows for ``RELAY_CLAIM_SECONDS``, oldest first.
     Uses the partial index outbox_unpublished."""
-    until = now + timedelta(seconds=RELAY_CLAIM_SECONDS)
+    until = now + timedelta(seconds=settings.RELAY_CLAIM_SECONDS)
     if connection.vendor == "postgresql":
         with bound_cursor() as cursor:
             cursor.execute(_CLAIM_OUTBOX_SQL, {"until": until, "now": now, "limit": page_size})
@@ -271,7 +270,7 @@ def run_loop(
             listener.wait(seconds, stop.event)
 
     totals: Counter = Counter()
-    run = _with_db_retry(lambda: start_run(kind), stop)
+    run = with_db_retry(lambda: start_run(kind), stop)
     if run is None:
         return totals
     logger.info("loop started", extra={"action": f"{kind}.start", "run_id": str(run.id)})
@@ -302,7 +301,7 @@ def run_loop(
         if once or (until_idle and tick.idle):
             break
         if time.monotonic() - last_beat > heartbeat_every:
-            _with_db_retry(lambda: save_run(run, totals), stop, attempts=1)
+            with_db_retry(lambda: save_run(run, totals), stop, attempts=1)
             last_beat = time.monotonic()
         if tick.busy or tick.soon:
             idle_wait = SOON_WAIT
@@ -316,7 +315,7 @@ def run_loop(
             idle_wait = min(idle_wait * 2, interval)
     if listener is not None:
         listener.close()
-    _with_db_retry(lambda: save_run(run, totals, finished=True), stop, attempts=3)
+    with_db_retry(lambda: save_run(run, totals, finished=True), stop, attempts=3)
     logger.info(
         "loop stopped", extra={"action": f"{kind}.stop", "run_id": str(run.id), **dict(totals)}
     )
@@ -328,7 +327,7 @@ def _reset_connection() -> None:
         connection.close()
 
 
-def _with_db_retry(fn, stop: StopFlag, *, attempts: int = 20):
+def with_db_retry(fn, stop: StopFlag, *, attempts: int = 20):
     delay = 0.5
     for _ in range(attempts):
         try:

@@ -14,7 +14,12 @@ from django.db import connection
 
 @contextmanager
 def bound_cursor():
-    """A server-side-binding cursor on Django's current PostgreSQL connection."""
+    """A server-side-binding cursor on Django's current PostgreSQL connection.
+
+    psycopg's own errors are translated to Django's (``OperationalError`` for a dropped
+    connection or a restarting server) and mark the connection as having failed, exactly
+    as through a Django cursor: without that, the loops' "database unavailable, retry"
+    path would not recognise them and a dropped connection would end the process."""
     connection.ensure_connection()
-    with psycopg.Cursor(connection.connection) as cursor:
+    with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cursor:
         yield cursor

@@ -7,13 +7,19 @@ One unit of work (``Worker.process_batch``):
 2. lease their deliveries in one transaction (skipping stale or raced copies) and load
    what sending needs: endpoints, secrets, bodies;
 3. send every request concurrently, with no transaction open, through the egress module;
-4. record all attempts and transitions in one transaction;
-5. acknowledge the batch on the broker.
+4. record the attempts and transitions in one transaction (a batch whose answers come in
+   over time is recorded in groups, every ``RECORD_EVERY`` seconds);
+5. acknowledge the recorded messages on the broker.
 
-Several batches run at once (``lanes``) so that the database work of one overlaps the
-network work of another. A worker that dies anywhere in this leaves either unacknowledged
-messages (redelivered after the visibility timeout) or a lease (returned by the
-scheduler when it runs out): late, never lost.
+Several lanes take batches at once so that the database work of one overlaps the network
+work of another, and a lane does not wait for its batch's answers: it takes the next
+batch as long as there is room under the concurrency ceiling. An endpoint that sleeps
+30 s per request holds only its own request slots (and at most its concurrency ceiling
+of them), never a lane (docs/reliability.md, head-of-line isolation).
+
+A worker that dies anywhere in this leaves either unacknowledged messages (redelivered
+after the visibility timeout) or a lease (returned by the scheduler when it runs out):
+late, never lost.
 
 Shutdown (SIGTERM): the lanes take no new batch; the requests in flight get
 ``WORKER_SHUTDOWN_GRACE`` seconds to finish and are recorded as usual. Past the grace, the
@@ -66,6 +72,10 @@ logger = logging.getLogger("deliveries.worker")
 
 # With notifications, how often idle lanes still look (redeliveries are not announced).
 LISTEN_POLL = 1.0
+# Seconds between recordings of a batch whose answers come in over time.
+RECORD_EVERY = 0.2
+# Seconds a lane waits when every request slot is taken.
+SLOT_WAIT = 0.01
 
 # Headers the protocol owns; an endpoint's custom headers cannot replace them.
 PROTOCOL_HEADERS = frozenset(
@@ -263,7 +273,9 @@ class Worker:
             settings.DELIVERY_LEASE_SECONDS, settings.DELIVERY_MAX_TIMEOUT + 15
         )
         self.name = f"{socket.gethostname()}:{os.getpid()}"
-        self.in_flight = asyncio.Semaphore(concurrency or settings.WORKER_CONCURRENCY)
+        self.concurrency = concurrency or settings.WORKER_CONCURRENCY
+        self.in_flight = asyncio.Semaphore(self.concurrency)
+        self.sending = 0  # leased deliveries whose requests are out or being recorded
         self.egress = egress
         self.db = ThreadPoolExecutor(max_workers=lanes + 1, thread_name_prefix="worker-db")
         self.counts: Counter = Counter()
@@ -300,13 +312,24 @@ class Worker:
         return None
 
     async def process_batch(self) -> int:
-        """One unit of work; returns how many broker messages it handled."""
-        taken = await self._in_db(_take, self.broker, self.batch_size, self.lease_seconds)
+        """One unit of work, to its end; returns how many broker messages it handled."""
+        handled, sending = await self._take_and_start(self.batch_size)
+        if sending is not None:
+            await sending
+        return handled
+
+    async def _take_and_start(self, limit: int) -> tuple[int, "asyncio.Task | None"]:
+        """Dequeue and lease up to ``limit`` messages, run the other kinds' jobs, and
+        start sending the deliveries in a task of their own (returned), so that the lane
+        can take the next batch while these requests are out."""
+        taken = await self._in_db(_take, self.broker, limit, self.lease_seconds)
         for kind, items in taken.others.items():
             await self._process_other(kind, items)
+        sending = None
         if taken.messages:
-            await self._deliver(taken.messages, taken.claimed)
-        return taken.received
+            self.sending += len(taken.claimed.leased)
+            sending = asyncio.create_task(self._deliver(taken.messages, taken.claimed))
+        return taken.received, sending
 
     async def _process_other(self, kind: str, items: list) -> None:
         """Jobs registered by other apps (deliveries.jobs); unknown kinds are left
@@ -322,6 +345,12 @@ class Worker:
         self.counts.update({f"{kind}.{k}": v for k, v in counts.items()})
 
     async def _deliver(self, messages: list[tuple[object, str]], claimed: "Claimed") -> None:
+        """Send a leased batch and record it as the answers come in: what has finished
+        is recorded (and its messages acknowledged) every RECORD_EVERY seconds, so a
+        delivery that shares a batch with one to an endpoint that takes 30 s to answer
+        is not held until then. A batch that answers within the window is recorded in
+        one transaction. Once the shutdown grace has run out, the requests still out are
+        cut off and their leases released with the next recording."""
         crash_point("worker.after_lease")
         if tracing.enabled():
             # The relay's span, carried by the message, is the parent of the attempt's.
@@ -331,9 +360,62 @@ class Worker:
                 for item in claimed.leased
             ]
         started = time.perf_counter()
-        results, released = await self._send_all(claimed.leased, claimed.targets)
+        by_delivery: dict = {}
+        for task_id, m in messages:
+            by_delivery.setdefault(m.job_id, []).append(task_id)
+        leased_ids = {item.id for item in claimed.leased}
+        # Messages that leased nothing (stale or raced copies) go with the first group.
+        unmatched = [
+            t for job_id, ids in by_delivery.items() if job_id not in leased_ids for t in ids
+        ]
+        released: list[state.Leased] = []
+        tasks: dict[asyncio.Task, state.Leased] = {}
+        if self.abandon.is_set():
+            released = list(claimed.leased)  # stopping past the grace: never sent
+        else:
+            tasks = {
+                asyncio.create_task(self._send(item, claimed.targets[item.endpoint_id])): item
+                for item in claimed.leased
+            }
+        pending = set(tasks)
+        self.counts.update(messages=len(messages), skipped=claimed.skipped)
+        try:
+            while pending or unmatched or released:
+                done: set = set()
+                if pending:
+                    done, pending = await asyncio.wait(pending, timeout=RECORD_EVERY)
+                    if self.abandon.is_set() and pending:
+                        for task in pending:
+                            task.cancel()
+                        await asyncio.wait(pending)
+                        released += [tasks[t] for t in pending if t.cancelled()]
+                        done |= {t for t in pending if not t.cancelled()}
+                        pending = set()
+                    if not done and not released:
+                        continue
+                results = [task.result() for task in done]
+                task_ids = unmatched + [
+                    t
+                    for leased in [r.leased for r in results] + released
+                    for t in by_delivery[leased.id]
+                ]
+                await self._record(results, task_ids, released, started)
+                unmatched, released = [], []
+        finally:
+            for task in pending:
+                task.cancel()
+            self.sending -= len(claimed.leased)
+
+    async def _record(
+        self,
+        results: list[state.AttemptResult],
+        task_ids: list,
+        released: list[state.Leased],
+        started: float,
+    ) -> None:
+        """Record attempts (and release leases cut off by the shutdown), then acknowledge
+        their messages."""
         crash_point("worker.after_send")
-        task_ids = [task_id for task_id, _ in messages]
         _observe(results)
         summary, returned = await self._in_db_retrying(
             _record_and_acknowledge, results, self.policy, self.broker, task_ids, released
@@ -347,9 +429,8 @@ class Worker:
             extra={
                 "action": "workers.batch",
                 "job_type": "delivery",
-                "messages": len(messages),
+                "messages": len(task_ids),
                 "attempts": len(results),
-                "skipped": claimed.skipped,
                 "succeeded": summary.succeeded,
                 "retrying": summary.retrying,
                 "dead": summary.dead,
@@ -357,8 +438,6 @@ class Worker:
             },
         )
         self.counts.update(
-            messages=len(messages),
-            skipped=claimed.skipped,
             succeeded=summary.succeeded,
             retrying=summary.retrying,
             dead=summary.dead,
@@ -381,37 +460,6 @@ class Worker:
             )
         if summary.disabled_endpoints:
             await self._in_db_retrying(_record_disabled, summary.disabled_endpoints)
-
-    async def _send_all(
-        self, leased: list[state.Leased], targets: dict
-    ) -> tuple[list[state.AttemptResult], list[state.Leased]]:
-        """Send every request concurrently until all are answered or the shutdown grace
-        runs out; returns the results and the leases whose request was cut off (or never
-        started)."""
-        if self.abandon.is_set():
-            return [], list(leased)
-        tasks = [
-            asyncio.create_task(self._send(item, targets[item.endpoint_id])) for item in leased
-        ]
-        if not tasks:
-            return [], []
-        abandon = asyncio.create_task(self.abandon.wait())
-        pending: set = set(tasks)
-        try:
-            while pending and not abandon.done():
-                _, pending = await asyncio.wait(
-                    pending | {abandon}, return_when=asyncio.FIRST_COMPLETED
-                )
-                pending.discard(abandon)
-        finally:
-            abandon.cancel()
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending)
-        results = [task.result() for task in tasks if not task.cancelled()]
-        released = [item for item, task in zip(leased, tasks, strict=True) if task.cancelled()]
-        return results, released
 
     async def _send(self, item: state.Leased, target: Target) -> state.AttemptResult:
         if not tracing.enabled():
@@ -565,25 +613,59 @@ class Worker:
     async def _lane(
         self, stop: asyncio.Event, once: bool, until_idle: bool, idle_sleep: float
     ) -> None:
+        """Take a batch whenever there is room under the concurrency ceiling; the batch's
+        requests go out in their own task while the lane takes the next one. Requests
+        that hang (an endpoint that sleeps) therefore hold their own slots, not the lane.
+        """
         backoff = 0.5
-        while not stop.is_set():
-            try:
-                handled = await self.process_batch()
-                backoff = 0.5
-            except (OperationalError, InterfaceError) as exc:
-                logger.warning(
-                    "database unavailable, retrying",
-                    extra={"action": "workers.db_error", "error": str(exc)},
-                )
-                await self._in_db(_close_connection)
-                await _wait(stop, backoff)
-                backoff = min(backoff * 2, 10.0)
-                continue
-            if once or (until_idle and handled == 0):
-                return
-            if handled == 0:
-                self.wake.clear()
-                await _wait_any(stop, self.wake, self.idle_wait or idle_sleep)
+        mine: set[asyncio.Task] = set()
+        try:
+            while not stop.is_set():
+                room = min(self.batch_size, self.concurrency - self.sending)
+                if room <= 0:
+                    await _wait(stop, SLOT_WAIT)
+                    continue
+                try:
+                    handled, sending = await self._take_and_start(room)
+                    backoff = 0.5
+                except (OperationalError, InterfaceError) as exc:
+                    logger.warning(
+                        "database unavailable, retrying",
+                        extra={"action": "workers.db_error", "error": str(exc)},
+                    )
+                    await self._in_db(_close_connection)
+                    await _wait(stop, backoff)
+                    backoff = min(backoff * 2, 10.0)
+                    continue
+                if sending is not None:
+                    mine.add(sending)
+                    sending.add_done_callback(mine.discard)
+                    sending.add_done_callback(_log_failure)
+                if once:
+                    return
+                if until_idle and handled == 0:
+                    if not mine:
+                        return
+                    await asyncio.wait(mine)  # what is out may come back as retries
+                    continue
+                if handled == 0:
+                    self.wake.clear()
+                    await _wait_any(stop, self.wake, self.idle_wait or idle_sleep)
+        finally:
+            # Stopping finishes the requests under way and records them.
+            if mine:
+                await asyncio.wait(mine)
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    """A batch that could not be recorded (the database stayed away through every
+    retry) is left to the lease and the visibility timeout: late, not lost."""
+    if task.cancelled() or task.exception() is None:
+        return
+    logger.warning(
+        "batch not recorded; its leases will expire",
+        extra={"action": "workers.record_failed", "error": str(task.exception())},
+    )
 
 
 def close_thread_connections(executor: ThreadPoolExecutor, threads: int) -> None:

@@ -186,6 +186,9 @@ SCHEDULER_STALE_ENQUEUED_SECONDS = env.float("SCHEDULER_STALE_ENQUEUED_SECONDS",
 SCHEDULER_INTERVAL = env.float("SCHEDULER_INTERVAL", default=0.5)
 RELAY_PAGE_SIZE = env.int("RELAY_PAGE_SIZE", default=1000)
 RELAY_INTERVAL = env.float("RELAY_INTERVAL", default=0.5)
+# How long a relay holds the outbox rows it is publishing; a relay that dies leaves them
+# to another after this.
+RELAY_CLAIM_SECONDS = env.float("RELAY_CLAIM_SECONDS", default=30.0)
 WORKER_BATCH_SIZE = env.int("WORKER_BATCH_SIZE", default=200)
 WORKER_CONCURRENCY = env.int("WORKER_CONCURRENCY", default=512)
 WORKER_IDLE_SLEEP = env.float("WORKER_IDLE_SLEEP", default=0.05)
@@ -196,6 +199,7 @@ WORKER_SHUTDOWN_GRACE = env.float("WORKER_SHUTDOWN_GRACE", default=25.0)
 # Crash-boundary fault injection for tests and the soak: the name of a point in
 # deliveries/faults.py at which the process kills itself. Empty in production.
 FAULT_INJECT_AT = env.str("FAULT_INJECT_AT", default="")
+FAULT_INJECT_AFTER = env.int("FAULT_INJECT_AFTER", default=1)
 
 # --- Metrics ------------------------------------------------------------------------
 # /metrics answers a Bearer METRICS_TOKEN, or requests from these addresses.

@@ -4,7 +4,7 @@ import signal
 
 from django.core.management.base import BaseCommand
 
-from deliveries.loops import save_run, start_run
+from deliveries.loops import StopFlag, save_run, start_run, with_db_retry
 from deliveries.worker import Worker
 
 from ._loop import add_loop_arguments
@@ -41,20 +41,28 @@ class Command(BaseCommand):
         concurrency=None,
         **options,
     ):
-        run = start_run("workers")
+        # The database may be away when the process starts (a restart in progress): wait
+        # for it like the loops do rather than exit.
+        stop = StopFlag()
+        stop.install()
+        run = with_db_retry(lambda: start_run("workers"), stop)
+        if run is None:
+            return
         worker = Worker(batch_size=batch_size, concurrency=concurrency, lanes=lanes)
 
         async def main():
-            stop = asyncio.Event()
+            stopped = asyncio.Event()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, worker.request_stop, stop)
-            return await worker.run(stop=stop, once=once, until_idle=until_idle)
+                loop.add_signal_handler(sig, worker.request_stop, stopped)
+            if stop.is_set:
+                stopped.set()
+            return await worker.run(stop=stopped, once=once, until_idle=until_idle)
 
         logger.info("workers started", extra={"action": "workers.start", "run_id": str(run.id)})
         counts = asyncio.run(main())
         run.ticks = counts.get("messages", 0)
-        save_run(run, counts, finished=True)
+        with_db_retry(lambda: save_run(run, counts, finished=True), stop, attempts=3)
         logger.info(
             "workers stopped",
             extra={"action": "workers.stop", "run_id": str(run.id), **dict(counts)},
