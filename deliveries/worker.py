@@ -378,6 +378,7 @@ class Worker:
                 for item in claimed.leased
             }
         pending = set(tasks)
+        outstanding = len(claimed.leased)  # leased here, not yet recorded
         self.counts.update(messages=len(messages), skipped=claimed.skipped)
         try:
             while pending or unmatched or released:
@@ -400,11 +401,15 @@ class Worker:
                     for t in by_delivery[leased.id]
                 ]
                 await self._record(results, task_ids, released, started)
+                # Recorded: their request slots count as free again, whatever the rest
+                # of the batch is still waiting for.
+                self.sending -= len(results) + len(released)
+                outstanding -= len(results) + len(released)
                 unmatched, released = [], []
         finally:
             for task in pending:
                 task.cancel()
-            self.sending -= len(claimed.leased)
+            self.sending -= outstanding
 
     async def _record(
         self,
