@@ -745,11 +745,15 @@ def chart(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     scen = result["scenarios"]
-    panels = [k for k in ("throughput", "latency", "growth") if k in scen]
+    panels = [k for k in ("throughput", "latency", "inbound", "growth") if k in scen]
     if not panels:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
-    for ax, key in zip(axes[0], panels, strict=False):
+    cols = min(2, len(panels))
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.5 * rows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, key in zip(axes.flat, panels, strict=False):
         if key == "throughput":
             items = sorted(scen[key]["median_per_second"].items(), key=lambda kv: kv[1] or 0)
             colors = [
@@ -773,6 +777,19 @@ def chart(result: dict, path: Path) -> None:
             ax.set_xlabel("offered events/s")
             ax.set_ylabel("publish → first attempt, ms")
             ax.set_title("Latency (open model)")
+            ax.legend()
+        elif key == "inbound":
+            m = scen[key]["median"]
+            labels = ["acknowledged/s", "processed/s"]
+            ax.bar(
+                labels,
+                [m["acknowledged_per_second"] or 0, m["processed_per_second"] or 0],
+                color="tab:red",
+            )
+            ax.axhline(10_000, color="tab:red", linestyle="--", label="target (processed)")
+            ax.set_yscale("log")
+            ax.set_ylabel("events/s (median)")
+            ax.set_title(f"Inbound, no-op handler, N = {scen[key]['events']:,}")
             ax.legend()
         else:
             labels = ["scheduler pass", "claim batch", "peak RSS"]
@@ -848,7 +865,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-peers", default="", help="comma-separated peer names")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--output-dir", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        metavar="RESULTS_JSON",
+        help="only write results.md and results.png again from this results.json",
+    )
     args = parser.parse_args(argv)
+    if args.render:
+        result = json.loads(args.render.read_text())
+        (args.render.parent / "results.md").write_text(markdown(result) + "\n")
+        chart(result, args.render.parent / "results.png")
+        return 0
     q = args.quick
     ctx: dict = {
         "events": args.events or (2000 if q else 20_000),
