@@ -938,21 +938,29 @@ def main(argv: list[str] | None = None) -> int:
         "inbound": scenario_inbound,
         "growth": scenario_growth,
     }
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    result["admin_reference"] = admin_reference()
+
+    def write() -> str:
+        # After every scenario, so a failure later in the run keeps what was measured.
+        result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+        (args.output_dir / "results.json").write_text(
+            json.dumps(result, indent=2, default=str) + "\n"
+        )
+        md_text = markdown(result)
+        (args.output_dir / "results.md").write_text(md_text + "\n")
+        chart(result, args.output_dir / "results.png")
+        return md_text
+
     try:
         for name in scenarios:
             result["scenarios"][name] = funcs[name](ctx)
+            md_text = write()
     except ob.BenchError as exc:
         print(f"FAILED: {exc}\nlogs: {ctx['logs']}", file=sys.stderr)
         return 1
     finally:
         ob.stop_all()
-    result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    result["admin_reference"] = admin_reference()
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    md_text = markdown(result)
-    (args.output_dir / "results.md").write_text(md_text + "\n")
-    chart(result, args.output_dir / "results.png")
     print("\n" + md_text)
     print(f"results: {args.output_dir}/results.{{json,md,png}}; logs: {ctx['logs']}")
     return 0

@@ -42,6 +42,10 @@ def main() -> int:
         "-m",
         "procrastinate",
         "--app=bench.peers.proc_app.app",
+        # Its worker logs every job with its arguments at INFO otherwise (two 1 KiB lines
+        # per job): the other peers log warnings only, so does this one.
+        "--log-level",
+        "warning",
         "worker",
         "--queues",
         QUEUE,
@@ -60,6 +64,7 @@ def main() -> int:
             "concurrency_per_process": args.concurrency,
             "listen_notify": True,
             "delete_jobs": "never (default)",
+            "log_level": "warning",
         },
     )
 
