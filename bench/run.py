@@ -725,6 +725,20 @@ def markdown(result: dict) -> str:
                 f"{fmt(gr['ratios'][key], 2)} | {verdict} |"
             )
         lines.append("")
+    headings = {
+        "## Outbound": "throughput",
+        "## Publish": "latency",
+        "## Inbound": "inbound",
+        "## Growth": "growth",
+    }
+    for i, line in enumerate(list(lines)):
+        key = next((k for p, k in headings.items() if line.startswith(p)), None)
+        when = result["scenarios"].get(key, {}).get("measured") if key else None
+        if when:
+            lines[i] = (
+                f"{line}\n\nMeasured {when['at']}, {when['repeat']} repeat(s); load average "
+                f"{when['load_average_before']} before, {when['load_average_after']} after."
+            )
     adm = result.get("admin_reference")
     if adm:
         lines += [
@@ -866,6 +880,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--output-dir", type=Path, default=RESULTS)
     parser.add_argument(
+        "--update",
+        action="store_true",
+        help="keep the other scenarios of the existing results.json (replace only these)",
+    )
+    parser.add_argument(
         "--render",
         type=Path,
         default=None,
@@ -940,6 +959,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.output_dir.mkdir(parents=True, exist_ok=True)
     result["admin_reference"] = admin_reference()
+    previous = args.output_dir / "results.json"
+    if args.update and previous.exists():
+        result["scenarios"] = json.loads(previous.read_text()).get("scenarios", {})
 
     def write() -> str:
         # After every scenario, so a failure later in the run keeps what was measured.
@@ -954,7 +976,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         for name in scenarios:
+            load = [round(x, 2) for x in os.getloadavg()]
             result["scenarios"][name] = funcs[name](ctx)
+            result["scenarios"][name]["measured"] = {
+                "at": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+                "load_average_before": load,
+                "load_average_after": [round(x, 2) for x in os.getloadavg()],
+                "repeat": ctx["repeat"],
+            }
             md_text = write()
     except ob.BenchError as exc:
         print(f"FAILED: {exc}\nlogs: {ctx['logs']}", file=sys.stderr)

@@ -56,6 +56,11 @@ def main() -> int:
                         f"msg_{i}",
                         broker=broker,
                     )
+        if args.broker == "orm":  # statistics for the filled queue, as the service's run does
+            from django.db import connection
+
+            with connection.cursor() as cursor:
+                cursor.execute("ANALYZE django_q_ormq")
 
     qcluster = [sys.executable, "-m", "django", "qcluster"]
     return common.drive(
