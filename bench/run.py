@@ -635,8 +635,8 @@ def markdown(result: dict) -> str:
         f"load average at start {result['load_average_at_start']}, at end "
         f"{result['load_average_at_end']}; Python {result['versions']['python']}, Django "
         f"{result['versions']['django']}, PostgreSQL {result['versions']['postgres']}, "
-        f"Redis {result['versions'].get('redis_server', '?')}. Medians of {result['repeat']} "
-        "run(s); ratios taken within each run.",
+        f"Redis {result['versions'].get('redis_server', '?')}. Medians of each scenario's "
+        "repeats; ratios taken within each repeat.",
         "",
     ]
     tp = result["scenarios"].get("throughput")
@@ -839,6 +839,9 @@ def versions(ctx: dict) -> dict:
     out["Celery Redis"] = f"celery {v('celery')}, kombu {v('kombu')}"
     out["bare aiohttp loop"] = f"aiohttp {v('aiohttp')}, 256 in flight"
     out[BASELINE_SKIP_LOCKED] = f"psycopg {v('psycopg')} + aiohttp"
+    out["service"] = (
+        f"{os.cpu_count()} run_workers (--lanes 2 --batch-size 500), ceilings 5,000, pages 2,000"
+    )
     out["gunicorn"] = v("gunicorn")
     out["matplotlib"] = v("matplotlib")
     with contextlib.suppress(Exception):
@@ -977,9 +980,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in scenarios:
             load = [round(x, 2) for x in os.getloadavg()]
+            started_at = time.strftime("%Y-%m-%d %H:%M:%S %z")
             result["scenarios"][name] = funcs[name](ctx)
             result["scenarios"][name]["measured"] = {
-                "at": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+                "at": started_at,
                 "load_average_before": load,
                 "load_average_after": [round(x, 2) for x in os.getloadavg()],
                 "repeat": ctx["repeat"],
