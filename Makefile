@@ -41,12 +41,20 @@ test: $(VENV)/.dev-installed
 	echo "== OpenAPI schema"; $(PY) manage.py spectacular --validate --fail-on-warn >/dev/null; \
 	echo "== pytest (PostgreSQL)"; $(VENV)/bin/pytest $(PYTEST_ARGS)
 
-## make bench: outbound throughput, inbound acknowledgement, the admin at 1M rows
-## (several minutes each; results in bench/results/, see docs/benchmarks.md).
-bench: $(VENV)/.dev-installed
+$(VENV)/.bench-installed: requirements/bench.txt requirements/dev.txt requirements/base.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements/bench.txt
+	touch $(VENV)/.base-installed $(VENV)/.dev-installed $@
+
+## make bench: the harness (bench/run.py: throughput against the bare limits and the
+## peers, latency, inbound, growth), the inbound acknowledgement ramp and the admin at 1M
+## rows (about an hour in all; results in bench/results/, see docs/benchmarks.md).
+## make bench BENCH_ARGS=--quick: small N, one repeat, for iterating on the harness.
+bench: $(VENV)/.bench-installed
 	@set -e; export DATABASE_URL="$$(scripts/ensure_postgres.sh)"; \
-	$(PY) bench/outbound.py $(BENCH_ARGS); \
-	$(PY) bench/ingest.py; \
+	scripts/ensure_redis.sh; \
+	$(PY) bench/run.py $(BENCH_ARGS); \
+	$(PY) bench/ingest.py $(INGEST_BENCH_ARGS); \
 	$(PY) bench/admin_log.py
 
 ## make soak: the drain-and-count chaos run (docs/reliability.md): 100,000 events through

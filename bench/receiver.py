@@ -2,9 +2,11 @@
 
 Every POST is answered ``200`` with a two-byte body after reading the request body, and
 counted: all requests, and distinct ``webhook-id`` values (so the outbound benchmark can
-tell duplicates from deliveries). ``GET /count`` returns the counters as JSON and
-``POST /reset`` zeroes them. The bare client loop and the service are measured against the
-same process, so whatever this costs is in both numbers.
+tell duplicates from deliveries), with the wall-clock time (``time.time()``) of the first
+and the last request and of each ``webhook-id``'s first arrival. ``GET /count`` returns the
+counters as JSON, ``GET /arrivals`` every ``webhook-id`` with its first arrival time (the
+latency benchmark), and ``POST /reset`` zeroes them. The bare client loop, the service and
+the peers are measured against the same process, so whatever this costs is in all of them.
 
     python bench/receiver.py --port 0 [--cpu 1]
 
@@ -17,6 +19,7 @@ import contextlib
 import os
 import socket
 import sys
+import time
 
 from aiohttp import web
 
@@ -25,28 +28,40 @@ class Counts:
     def __init__(self) -> None:
         self.requests = 0
         self.body_bytes = 0
-        self.ids: set[str] = set()
+        # webhook-id -> time.time() of its first arrival
+        self.ids: dict[str, float] = {}
+        self.first_at: float | None = None
+        self.last_at: float | None = None
 
     def as_dict(self) -> dict:
         return {
             "requests": self.requests,
             "body_bytes": self.body_bytes,
             "distinct_webhook_ids": len(self.ids),
+            "first_at": self.first_at,
+            "last_at": self.last_at,
         }
 
 
 def make_app(counts: Counts) -> web.Application:
     async def hook(request: web.Request) -> web.Response:
         body = await request.read()
+        now = time.time()
+        if counts.first_at is None:
+            counts.first_at = now
+        counts.last_at = now
         counts.requests += 1
         counts.body_bytes += len(body)
         webhook_id = request.headers.get("webhook-id")
-        if webhook_id:
-            counts.ids.add(webhook_id)
+        if webhook_id and webhook_id not in counts.ids:
+            counts.ids[webhook_id] = now
         return web.Response(body=b"ok", content_type="text/plain")
 
     async def count(request: web.Request) -> web.Response:
         return web.json_response(counts.as_dict())
+
+    async def arrivals(request: web.Request) -> web.Response:
+        return web.json_response(counts.ids)
 
     async def reset(request: web.Request) -> web.Response:
         counts.__init__()
@@ -54,6 +69,7 @@ def make_app(counts: Counts) -> web.Application:
 
     app = web.Application()
     app.router.add_get("/count", count)
+    app.router.add_get("/arrivals", arrivals)
     app.router.add_post("/reset", reset)
     app.router.add_post("/{tail:.*}", hook)
     return app

@@ -1,0 +1,1007 @@
+"""The benchmark harness: the service against the bare limits and its peers, side by side.
+
+    python bench/run.py                 # every scenario, full size, 3 repeats (make bench)
+    python bench/run.py --quick         # small N, 1 repeat: for iterating on the harness
+    python bench/run.py --scenarios throughput,growth --repeat 5
+
+It starts what it needs (the bench databases next to the one ``DATABASE_URL`` names,
+``bench/receiver.py``, gunicorn, the pipeline's processes, each peer's workers; Redis
+through ``scripts/ensure_redis.sh``, database 7 only, flushed by the peers that use it),
+runs each scenario ``--repeat`` times and writes ``bench/results/results.json`` (every
+run, medians, ratios, core count, load average, versions), ``results.md`` (the tables)
+and ``results.png`` (the chart). Scenarios (see docs/benchmarks.md):
+
+* ``throughput``: N signed 1 KiB deliveries to the receiver by the bare aiohttp loop, a
+  bare SKIP LOCKED queue, the service, and each peer (bench/peers/); rate = N over the
+  receiver's first-to-last arrival, ratios taken within each repeat;
+* ``latency``: the service running, an open-model publisher publishing at fixed rates;
+  latency = the receiver's first arrival of each delivery minus its scheduled time;
+* ``inbound``: the receive view under gunicorn and the pipeline processing the events
+  with a no-op handler: acknowledged/s and processed/s;
+* ``growth``: one scheduler pass, one worker claim batch and the peak RSS of
+  ``run_scheduler --once`` with 10,000 and 1,000,000 due deliveries.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(BENCH))
+
+import outbound as ob  # noqa: E402 - bench/ is not a package
+
+RESULTS = BENCH / "results"
+PEERS = {
+    # name: (script, extra arguments)
+    "django-q2 ORM": ("djq.py", ["--broker", "orm"]),
+    "django-q2 Redis": ("djq.py", ["--broker", "redis"]),
+    "procrastinate": ("procrastinate_peer.py", []),
+    "Celery Redis": ("celery_peer.py", []),
+}
+BASELINE_SKIP_LOCKED = "bare SKIP LOCKED"
+# The pipeline as run against the peers: one worker process per core, like the peers, and
+# the per-endpoint/tenant ceilings above the batch (the peers have none; see the docs).
+SERVICE_ENV = {
+    "DELIVERY_ENDPOINT_MAX_CONCURRENCY": "5000",
+    "DELIVERY_TENANT_MAX_IN_FLIGHT": "5000",
+    "SCHEDULER_PAGE_SIZE": "2000",
+    "RELAY_PAGE_SIZE": "2000",
+}
+INBOUND_SLUG = "benchin"
+INBOUND_SECRET = "whsec_bench_inbound"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def percentile(sorted_values: list[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    k = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[k]
+
+
+def receiver_rate(counts: dict, n: int) -> float | None:
+    span = (counts.get("last_at") or 0) - (counts.get("first_at") or 0)
+    return round(n / span, 1) if span > 0 else None
+
+
+def pipeline_env(base_url: str, db_name: str, role: str, extra: dict) -> dict:
+    return {
+        **os.environ,
+        **extra,
+        "DATABASE_URL": ob.with_db(base_url, db_name, f"bench-{role}"),
+        "EGRESS_ALLOW_NETWORKS": "127.0.0.0/8",
+        "LOG_LEVEL": "WARNING",
+    }
+
+
+def start_pipeline(pipeline, base_url: str, db_name: str, logs: Path, extra_env=None) -> list:
+    ob.sql("DELETE FROM deliveries_looprun")
+    procs = []
+    for role, argv in pipeline.commands():
+        env = pipeline_env(base_url, db_name, role, {**pipeline.env, **(extra_env or {})})
+        procs.append((role, ob.spawn(argv, env=env, log=logs / f"{role}.log")))
+    ob._wait_until_running(procs, time.perf_counter() + 90)
+    return procs
+
+
+# --- Throughput ----------------------------------------------------------------------
+
+
+def run_peer(name: str, script: str, extra: list, n: int, ctx: dict) -> dict:
+    argv = [
+        sys.executable,
+        str(BENCH / "peers" / script),
+        *extra,
+        "--events",
+        str(n),
+        "--receiver",
+        ctx["receiver"].url(""),
+        "--db-url",
+        ctx["peer_db_url"],
+        "--timeout",
+        str(ctx["timeout"]),
+        "--logs",
+        str(ctx["logs"]),
+    ]
+    busy0, total0 = ob.machine_cpu()
+    done = subprocess.run(
+        argv, cwd=ROOT, capture_output=True, text=True, timeout=ctx["timeout"] + 300
+    )
+    busy1, total1 = ob.machine_cpu()
+    if done.returncode != 0:
+        raise ob.BenchError(f"peer {name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    if out["duplicates"]:
+        log(f"  {name}: {out['duplicates']} duplicate requests")
+    out["machine_cpu_busy"] = round((busy1 - busy0) / max(1, total1 - total0), 3)
+    return out
+
+
+def scenario_throughput(ctx: dict) -> dict:
+    n, receiver = ctx["events"], ctx["receiver"]
+    pipeline = ob.Pipeline(
+        workers=os.cpu_count() or 1,
+        lanes=2,
+        batch_size=500,
+        worker_concurrency=None,
+        env=dict(SERVICE_ENV),
+    )
+    systems: dict[str, list[dict]] = {}
+
+    def add(name: str, run: dict) -> None:
+        systems.setdefault(name, []).append(run)
+        log(f"  {name}: {run['per_second'] or 0:,.0f}/s")
+
+    for i in range(ctx["repeat"]):
+        log(f"throughput {i + 1}/{ctx['repeat']}, N = {n:,}")
+        bare = ob.run_bare(receiver, n, 256)
+        bare["wall_per_second"] = bare["per_second"]
+        bare["per_second"] = receiver_rate(receiver.counts(), n)
+        add("bare aiohttp loop", bare)
+        add(BASELINE_SKIP_LOCKED, run_peer(BASELINE_SKIP_LOCKED, "skiplocked.py", [], n, ctx))
+        service = ob.run_service(
+            receiver,
+            n,
+            pipeline,
+            db_name=ctx["db_name"],
+            base_url=ctx["base_url"],
+            timeout=ctx["timeout"],
+            logs=ctx["logs"],
+            py_spy=None,
+            fresh_publish=(i == 0),
+        )
+        service.pop("timeline", None)
+        service["wall_per_second"] = service["per_second"]
+        service["per_second"] = receiver_rate(receiver.counts(), n)
+        add("service", service)
+        for name, (script, extra) in PEERS.items():
+            if name in ctx["skip_peers"]:
+                continue
+            add(name, run_peer(name, script, extra, n, ctx))
+
+    med = {name: median(r["per_second"] for r in runs) for name, runs in systems.items()}
+    peers = [name for name in PEERS if name in med]
+
+    def ratio_in_run(other: str) -> float | None:
+        pairs = [
+            s["per_second"] / o["per_second"]
+            for s, o in zip(systems["service"], systems[other], strict=False)
+            if s["per_second"] and o["per_second"]
+        ]
+        return round(median(pairs), 3) if pairs else None
+
+    fastest = max(peers, key=lambda p: med[p] or 0) if peers else None
+    # The fastest peer of each repeat, then the service's ratio to it in that repeat.
+    per_repeat_fastest = []
+    for i, s in enumerate(systems["service"]):
+        best = max((systems[p][i]["per_second"] or 0) for p in peers) if peers else 0
+        if best:
+            per_repeat_fastest.append(s["per_second"] / best)
+    ratios = {
+        "service_over_bare_loop": ratio_in_run("bare aiohttp loop"),
+        "service_over_skip_locked": ratio_in_run(BASELINE_SKIP_LOCKED),
+        "service_over_fastest_peer": round(median(per_repeat_fastest), 3)
+        if per_repeat_fastest
+        else None,
+        **{f"service_over_{p}": ratio_in_run(p) for p in peers},
+    }
+    return {
+        "events": n,
+        "service_pipeline": {
+            "workers": pipeline.workers,
+            "lanes": pipeline.lanes,
+            "batch_size": pipeline.batch_size,
+            "env": pipeline.env,
+        },
+        "median_per_second": med,
+        "fastest_peer": fastest,
+        "ratios": ratios,
+        "targets": {"service_over_bare_loop": 0.5, "service_over_fastest_peer": 4.0},
+        "meets": {
+            "service_over_bare_loop": bool(
+                ratios["service_over_bare_loop"] and ratios["service_over_bare_loop"] >= 0.5
+            ),
+            "service_over_fastest_peer": bool(
+                ratios["service_over_fastest_peer"] and ratios["service_over_fastest_peer"] >= 4.0
+            ),
+        },
+        "runs": systems,
+    }
+
+
+# --- Latency -------------------------------------------------------------------------
+
+
+def scenario_latency(ctx: dict) -> dict:
+    receiver = ctx["receiver"]
+    from deliveries.models import Tenant
+    from deliveries.services import endpoint_create
+
+    pipeline = ob.Pipeline(
+        workers=os.cpu_count() or 1,
+        lanes=2,
+        batch_size=500,
+        worker_concurrency=None,
+        env=dict(SERVICE_ENV),
+    )
+    out: dict = {"rates": ctx["rates"], "seconds": ctx["latency_seconds"], "runs": {}}
+    for i in range(ctx["repeat"]):
+        ob.truncate()
+        tenant = Tenant.objects.create(name="bench-latency")
+        endpoint_create(tenant=tenant, url=receiver.url("/hook"))
+        procs = start_pipeline(pipeline, ctx["base_url"], ctx["db_name"], ctx["logs"])
+        try:
+            for rate in ctx["rates"]:
+                log(f"latency {i + 1}/{ctx['repeat']}: {rate}/s for {ctx['latency_seconds']} s")
+                run = latency_run(ctx, tenant.id, rate, procs)
+                out["runs"].setdefault(str(rate), []).append(run)
+                log(
+                    f"  p50 {run['p50_ms']} ms, p99 {run['p99_ms']} ms, max {run['max_ms']} ms; "
+                    f"published {run['published_per_second']}/s, lost {run['not_arrived']}"
+                )
+        finally:
+            ob.stop([p for _, p in procs])
+    out["median"] = {
+        rate: {
+            k: median(r[k] for r in runs)
+            for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms", "published_per_second")
+        }
+        for rate, runs in out["runs"].items()
+    }
+    top = out["median"].get("1000") or {}
+    out["target"] = {"rate": 1000, "p99_ms": 1000}
+    out["meets"] = bool(top.get("p99_ms") is not None and top["p99_ms"] < 1000)
+    return out
+
+
+def latency_run(ctx: dict, tenant_id, rate: int, procs: list) -> dict:
+    receiver = ctx["receiver"]
+    receiver.reset()
+    outputs = []
+    publishers = []
+    count = int(rate * ctx["latency_seconds"])
+    start_at = time.time() + 1.0
+    for k in range(ctx["publishers"]):
+        path = ctx["logs"] / f"publisher-{rate}-{k}.json"
+        outputs.append(path)
+        argv = [
+            sys.executable,
+            str(BENCH / "latency_publisher.py"),
+            "--tenant",
+            str(tenant_id),
+            "--rate",
+            str(rate),
+            "--count",
+            str(count),
+            "--start-at",
+            repr(start_at),
+            "--slice",
+            f"{k}/{ctx['publishers']}",
+            "--output",
+            str(path),
+        ]
+        env = pipeline_env(ctx["base_url"], ctx["db_name"], f"publisher{k}", {})
+        publishers.append(ob.spawn(argv, env=env, log=ctx["logs"] / f"publisher-{k}.log"))
+    deadline = time.time() + ctx["latency_seconds"] + 120
+    for p in publishers:
+        p.wait(max(1, deadline - time.time()))
+        if p.returncode != 0:
+            raise ob.BenchError(f"publisher exited {p.returncode}: see {ctx['logs']}")
+    scheduled: dict[str, float] = {}
+    published_until = 0.0
+    for path in outputs:
+        data = json.loads(path.read_text())
+        scheduled.update(data["scheduled"])
+        published_until = max(published_until, data["finished_at"])
+    # Every event is one delivery here (one endpoint); webhook-id is the delivery id.
+    by_delivery = {
+        str(d): scheduled[str(e)]
+        for d, e in ob.sql(
+            "SELECT id, event_id FROM deliveries_delivery WHERE event_id = ANY(%s::uuid[])",
+            [list(scheduled)],
+        )
+    }
+    while time.time() < deadline and receiver.counts()["distinct_webhook_ids"] < len(by_delivery):
+        for role, p in procs:
+            if p.poll() is not None:
+                raise ob.BenchError(f"{role} exited during the latency run")
+        time.sleep(0.2)
+    import urllib.request
+
+    with urllib.request.urlopen(receiver.url("/arrivals"), timeout=30) as r:  # noqa: S310
+        arrivals = json.loads(r.read())
+    lat = sorted((arrivals[d] - t) * 1000 for d, t in by_delivery.items() if d in arrivals)
+    first = min(scheduled.values()) if scheduled else start_at
+    return {
+        "events": count,
+        "published": len(scheduled),
+        "published_per_second": round(len(scheduled) / max(1e-9, published_until - first), 1),
+        "not_arrived": len(by_delivery) - len(lat),
+        "p50_ms": round(percentile(lat, 0.50), 1) if lat else None,
+        "p90_ms": round(percentile(lat, 0.90), 1) if lat else None,
+        "p99_ms": round(percentile(lat, 0.99), 1) if lat else None,
+        "max_ms": round(lat[-1], 1) if lat else None,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+# --- Inbound -------------------------------------------------------------------------
+
+
+def scenario_inbound(ctx: dict) -> dict:
+    from ingest.models import Source
+    from ingest.services import source_create
+
+    n = ctx["inbound_events"]
+    pipeline = ob.Pipeline(
+        workers=os.cpu_count() or 1,
+        lanes=2,
+        batch_size=500,
+        worker_concurrency=None,
+        env={"INGEST_HANDLER_MODULES": "bench.inbound_noop"},
+    )
+    out: dict = {"events": n, "gunicorn_workers": ctx["gunicorn_workers"], "runs": []}
+    for i in range(ctx["repeat"]):
+        log(f"inbound {i + 1}/{ctx['repeat']}, N = {n:,}")
+        ob.sql(
+            "TRUNCATE ingest_handlerrun, ingest_entityversion, ingest_inboundevent, "
+            "ingest_verificationfailure, deliveries_outbox, deliveries_queuemessage, "
+            "deliveries_entitylock CASCADE"
+        )
+        if not Source.objects.filter(slug=INBOUND_SLUG).exists():
+            source_create(slug=INBOUND_SLUG, scheme="stripe", secrets=[INBOUND_SECRET])
+        port = ob_free_port()
+        env = pipeline_env(
+            ctx["base_url"],
+            ctx["db_name"],
+            "gunicorn",
+            {
+                "GUNICORN_BIND": f"127.0.0.1:{port}",
+                "GUNICORN_WORKERS": str(ctx["gunicorn_workers"]),
+                "DEBUG": "0",
+                "ALLOWED_HOSTS": "127.0.0.1",
+            },
+        )
+        web = ob.spawn(
+            [sys.executable, "-m", "gunicorn", "-c", "project/gunicorn.conf.py", "project.wsgi"],
+            env=env,
+            log=ctx["logs"] / "gunicorn.log",
+        )
+        procs = []
+        try:
+            wait_http(f"http://127.0.0.1:{port}/healthz", web)
+            procs = start_pipeline(pipeline, ctx["base_url"], ctx["db_name"], ctx["logs"])
+            t0 = time.perf_counter()
+            ack = asyncio.run(inbound_load(f"http://127.0.0.1:{port}/ingest/{INBOUND_SLUG}/", n))
+            t_ack = time.perf_counter() - t0
+            deadline = time.perf_counter() + ctx["timeout"]
+            while True:
+                states = dict(
+                    ob.sql("SELECT state, count(*) FROM ingest_inboundevent GROUP BY state")
+                )
+                done = states.get("processed", 0) + states.get("skipped", 0)
+                if done >= n:
+                    break
+                if states.get("dead") or time.perf_counter() > deadline:
+                    raise ob.BenchError(f"inbound: not processed: {states}")
+                time.sleep(0.1)
+            t_done = time.perf_counter() - t0
+        finally:
+            ob.stop([p for _, p in procs] + [web])
+        if ack["statuses"] != {202: n} and ack["statuses"] != {200: n}:
+            raise ob.BenchError(f"inbound: answers {ack['statuses']}")
+        run = {
+            "acknowledged_per_second": round(n / t_ack, 1),
+            "processed_per_second": round(n / t_done, 1),
+            "ack_seconds": round(t_ack, 3),
+            "processed_seconds": round(t_done, 3),
+            "statuses": ack["statuses"],
+            "states": states,
+        }
+        out["runs"].append(run)
+        log(
+            f"  acknowledged {run['acknowledged_per_second']:,.0f}/s, "
+            f"processed {run['processed_per_second']:,.0f}/s"
+        )
+    out["median"] = {
+        k: median(r[k] for r in out["runs"])
+        for k in ("acknowledged_per_second", "processed_per_second")
+    }
+    out["target"] = {"processed_per_second": 10_000}
+    out["meets"] = bool((out["median"]["processed_per_second"] or 0) >= 10_000)
+    return out
+
+
+def ob_free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise ob.BenchError(f"gunicorn exited {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:  # noqa: S310
+                r.read()
+                return
+        except urllib.error.HTTPError:
+            return  # it answers
+        except OSError:
+            time.sleep(0.2)
+    raise ob.BenchError("gunicorn did not answer within 60 s")
+
+
+async def inbound_load(url: str, n: int, concurrency: int = 32) -> dict:
+    import aiohttp
+
+    sys.path.insert(0, str(BENCH))
+    from ingest_load import signed_requests
+
+    statuses: dict[int, int] = {}
+    requests = signed_requests(0, n, INBOUND_SECRET)
+    it = iter(requests)
+
+    async def sender(session):
+        for body, headers in it:
+            async with session.post(url, data=body, headers=headers) as r:
+                await r.read()
+                statuses[r.status] = statuses.get(r.status, 0) + 1
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as s:
+        await asyncio.gather(*(sender(s) for _ in range(concurrency)))
+    return {"statuses": statuses}
+
+
+# --- Growth --------------------------------------------------------------------------
+
+SEED_SQL = """
+WITH ep AS (SELECT %(eps)s::uuid[] AS eps, %(tens)s::uuid[] AS tens)
+INSERT INTO deliveries_event (id, tenant_id, event_type, payload_version, entity_id, body,
+                              priority, idempotency_key, request_hash, created_at)
+SELECT md5('ev' || g)::uuid, tens[1 + g %% cardinality(eps)], 'bench.event', 1, '',
+       convert_to('{"seq":' || g || '}', 'UTF8'), 0, NULL, '', now() - interval '1 hour'
+FROM generate_series(0, %(n)s - 1) g, ep
+"""
+SEED_DELIVERIES_SQL = """
+WITH ep AS (SELECT %(eps)s::uuid[] AS eps, %(tens)s::uuid[] AS tens)
+INSERT INTO deliveries_delivery (id, event_id, endpoint_id, tenant_id, state, priority,
+    next_attempt_at, attempt_count, policy_attempts, dispatch_count, lease_expiries,
+    last_outcome, last_error, created_at, updated_at)
+SELECT md5('dl' || g)::uuid, md5('ev' || g)::uuid, eps[1 + g %% cardinality(eps)],
+       tens[1 + g %% cardinality(eps)], 'pending', 0,
+       now() - interval '1 hour' + interval '1 ms' * (g %% 3600000), 0, 0, 0, 0, '', '',
+       now() - interval '1 hour', now() - interval '1 hour'
+FROM generate_series(0, %(n)s - 1) g, ep
+"""
+RESET_SQL = [
+    "TRUNCATE deliveries_outbox, deliveries_queuemessage, deliveries_looprun, "
+    "deliveries_endpointthrottle",
+    "UPDATE deliveries_delivery SET state = 'pending', enqueued_at = NULL, lease_until = NULL, "
+    "lease_token = NULL, dispatch_count = 0, attempt_count = 0 WHERE state <> 'pending'",
+]
+
+
+def scenario_growth(ctx: dict) -> dict:
+    from deliveries import broker as transport
+    from deliveries.loops import relay_tick, scheduler_tick
+    from deliveries.models import Tenant
+    from deliveries.services import endpoint_create
+    from deliveries.worker import _take
+
+    out: dict = {"sizes": ctx["growth_sizes"], "runs": {}}
+    for size in ctx["growth_sizes"]:
+        log(f"growth: seeding {size:,} due deliveries")
+        ob.truncate()
+        eps, tens = [], []
+        for t in range(10):
+            tenant = Tenant.objects.create(name=f"growth-{t}")
+            for _ in range(10):
+                eps.append(endpoint_create(tenant=tenant, url=ctx["receiver"].url("/hook"))[0].id)
+                tens.append(tenant.id)
+        t0 = time.perf_counter()
+        params = {"eps": eps, "tens": tens, "n": size}
+        ob.sql(SEED_SQL, params)
+        ob.sql(SEED_DELIVERIES_SQL, params)
+        ob.sql("VACUUM ANALYZE deliveries_delivery")
+        ob.sql("ANALYZE deliveries_event")
+        seeded = time.perf_counter() - t0
+        passes, claims, rss, once_wall = [], [], [], []
+        b = transport.broker()
+        for _ in range(ctx["growth_passes"]):
+            for q in RESET_SQL:
+                ob.sql(q)
+            t = time.perf_counter()
+            tick = scheduler_tick()
+            passes.append((time.perf_counter() - t) * 1000)
+            admitted = tick.counts["enqueued"]
+            while relay_tick().counts.get("published"):
+                pass
+            t = time.perf_counter()
+            taken = _take(b, 200, 60.0)
+            claims.append((time.perf_counter() - t) * 1000)
+            if not admitted or not taken.claimed or not taken.claimed.leased:
+                raise ob.BenchError(f"growth: nothing admitted or claimed ({tick.counts})")
+        for _ in range(ctx["growth_passes"]):
+            for q in RESET_SQL:
+                ob.sql(q)
+            env = pipeline_env(ctx["base_url"], ctx["db_name"], "scheduler-once", {})
+            t = time.perf_counter()
+            proc = subprocess.Popen(
+                [sys.executable, "manage.py", "run_scheduler", "--once"],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            once_wall.append((time.perf_counter() - t) * 1000)
+            if proc.returncode != 0:
+                raise ob.BenchError(f"run_scheduler --once: {proc.stderr.read()[-2000:]}")
+            proc.stderr.close()
+            rss.append(usage.ru_maxrss / 1024)  # KiB -> MiB
+        run = {
+            "due_rows": size,
+            "seed_seconds": round(seeded, 1),
+            "scheduler_pass_ms": [round(x, 1) for x in passes],
+            "claim_batch_ms": [round(x, 2) for x in claims],
+            "scheduler_once_peak_rss_mib": [round(x, 1) for x in rss],
+            "scheduler_once_wall_ms": [round(x) for x in once_wall],
+            "median": {
+                "scheduler_pass_ms": round(median(passes), 1),
+                "claim_batch_ms": round(median(claims), 2),
+                "scheduler_once_peak_rss_mib": round(median(rss), 1),
+                "scheduler_once_wall_ms": round(median(once_wall)),
+            },
+        }
+        out["runs"][str(size)] = run
+        log(f"  {json.dumps(run['median'])}")
+    small, large = (out["runs"][str(s)]["median"] for s in (min(out["sizes"]), max(out["sizes"])))
+    out["ratios"] = {k: round(large[k] / small[k], 2) if small[k] else None for k in small}
+    out["targets"] = {
+        "scheduler_pass_ms": 1.5,
+        "claim_batch_ms": 1.5,
+        "scheduler_once_peak_rss_mib": 1.2,
+    }
+    out["meets"] = {
+        k: bool(out["ratios"][k] is not None and out["ratios"][k] <= v)
+        for k, v in out["targets"].items()
+    }
+    return out
+
+
+# --- Report --------------------------------------------------------------------------
+
+
+def admin_reference() -> dict | None:
+    path = RESULTS / "admin_log.json"
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    pages = data.get("pages", [])
+    return {
+        "source": "bench/results/admin_log.json (bench/admin_log.py)",
+        "measured_at": data.get("measured_at"),
+        "deliveries": data.get("data", {}).get("deliveries"),
+        "budget_ms": data.get("budget_ms"),
+        "pages": len(pages),
+        "over_budget": [p["name"] for p in pages if p["median_ms"] > data.get("budget_ms", 200)],
+        "slowest": max(((p["name"], p["median_ms"]) for p in pages), key=lambda x: x[1])
+        if pages
+        else None,
+    }
+
+
+def fmt(x, digits=0) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:,.{digits}f}"
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        f"# Benchmark results ({result['mode']})",
+        "",
+        f"{result['measured_at']}, {result['cpu_count']} CPUs ({result['cpu_model']}), "
+        f"load average at start {result['load_average_at_start']}, at end "
+        f"{result['load_average_at_end']}; Python {result['versions']['python']}, Django "
+        f"{result['versions']['django']}, PostgreSQL {result['versions']['postgres']}, "
+        f"Redis {result['versions'].get('redis_server', '?')}. Medians of each scenario's "
+        "repeats; ratios taken within each repeat.",
+        "",
+    ]
+    tp = result["scenarios"].get("throughput")
+    if tp:
+        n = tp["events"]
+        bare = tp["median_per_second"]["bare aiohttp loop"]
+        service = tp["median_per_second"]["service"]
+        lines += [
+            f"## Outbound throughput (N = {n:,}, deliveries/s from the receiver's first to "
+            "last arrival)",
+            "",
+            "| system | deliveries/s | service ÷ this | versions / settings |",
+            "| --- | ---: | ---: | --- |",
+        ]
+        for name, ps in sorted(tp["median_per_second"].items(), key=lambda kv: -(kv[1] or 0)):
+            if name == "service":
+                ratio = ""
+            else:
+                key = {
+                    "bare aiohttp loop": "service_over_bare_loop",
+                    BASELINE_SKIP_LOCKED: "service_over_skip_locked",
+                }.get(name, f"service_over_{name}")
+                ratio = fmt(tp["ratios"].get(key), 2)
+            lines.append(
+                f"| {'**service**' if name == 'service' else name} | {fmt(ps)} "
+                f"| {ratio} | {result['versions'].get(name, '')} |"
+            )
+        lines += [
+            "",
+            f"Service ÷ bare loop: **{fmt(tp['ratios']['service_over_bare_loop'], 2)}** "
+            f"(target ≥ 0.5: {'met' if tp['meets']['service_over_bare_loop'] else 'NOT met'}); "
+            f"service ÷ fastest peer ({tp['fastest_peer']}): "
+            f"**{fmt(tp['ratios']['service_over_fastest_peer'], 2)}** (target ≥ 4: "
+            f"{'met' if tp['meets']['service_over_fastest_peer'] else 'NOT met'}). "
+            f"Service: {fmt(service)}/s, bare loop {fmt(bare)}/s.",
+            "",
+        ]
+    lat = result["scenarios"].get("latency")
+    if lat:
+        lines += [
+            "## Publish-to-first-attempt latency (open model, from the scheduled time)",
+            "",
+            "| rate/s | published/s | p50 ms | p90 ms | p99 ms | max ms |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for rate, m in lat["median"].items():
+            lines.append(
+                f"| {int(rate):,} | {fmt(m['published_per_second'])} | {fmt(m['p50_ms'], 1)} | "
+                f"{fmt(m['p90_ms'], 1)} | {fmt(m['p99_ms'], 1)} | {fmt(m['max_ms'], 1)} |"
+            )
+        lines += ["", f"Target p99 < 1 s at 1,000/s: {'met' if lat['meets'] else 'NOT met'}.", ""]
+    inb = result["scenarios"].get("inbound")
+    if inb:
+        m = inb["median"]
+        lines += [
+            f"## Inbound, no-op handler (N = {inb['events']:,}, gunicorn "
+            f"{inb['gunicorn_workers']} sync workers)",
+            "",
+            "| acknowledged/s | processed/s (from the first request to the last processed) |",
+            "| ---: | ---: |",
+            f"| {fmt(m['acknowledged_per_second'])} | {fmt(m['processed_per_second'])} |",
+            "",
+            f"Target ≥ 10,000 processed/s: {'met' if inb['meets'] else 'NOT met'}.",
+            "",
+        ]
+    gr = result["scenarios"].get("growth")
+    if gr:
+        small, large = min(gr["sizes"]), max(gr["sizes"])
+        a, b = gr["runs"][str(small)]["median"], gr["runs"][str(large)]["median"]
+        lines += [
+            f"## Growth: {small:,} vs {large:,} due deliveries",
+            "",
+            f"| measure | {small:,} | {large:,} | ratio | target |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        for key, label in (
+            ("scheduler_pass_ms", "one scheduler pass (ms)"),
+            ("claim_batch_ms", "one worker claim batch of 200 (ms)"),
+            ("scheduler_once_peak_rss_mib", "`run_scheduler --once` peak RSS (MiB)"),
+            ("scheduler_once_wall_ms", "`run_scheduler --once` wall (ms)"),
+        ):
+            target = gr["targets"].get(key)
+            verdict = ("≤ " + str(target) + (" ✓" if gr["meets"][key] else " ✗")) if target else ""
+            lines.append(
+                f"| {label} | {fmt(a[key], 1)} | {fmt(b[key], 1)} | "
+                f"{fmt(gr['ratios'][key], 2)} | {verdict} |"
+            )
+        lines.append("")
+    headings = {
+        "## Outbound": "throughput",
+        "## Publish": "latency",
+        "## Inbound": "inbound",
+        "## Growth": "growth",
+    }
+    for i, line in enumerate(list(lines)):
+        key = next((k for p, k in headings.items() if line.startswith(p)), None)
+        when = result["scenarios"].get(key, {}).get("measured") if key else None
+        if when:
+            lines[i] = (
+                f"{line}\n\nMeasured {when['at']}, {when['repeat']} repeat(s); load average "
+                f"{when['load_average_before']} before, {when['load_average_after']} after."
+            )
+    adm = result.get("admin_reference")
+    if adm:
+        lines += [
+            "## The delivery log's admin at 1,000,000 deliveries (reference)",
+            "",
+            f"From {adm['source']}, measured {adm['measured_at']}: {adm['pages']} pages, budget "
+            f"{adm['budget_ms']:.0f} ms; over budget: {', '.join(adm['over_budget']) or 'none'}"
+            f"; slowest: {adm['slowest'][0]} {adm['slowest'][1]:.0f} ms.",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def chart(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scen = result["scenarios"]
+    panels = [k for k in ("throughput", "latency", "inbound", "growth") if k in scen]
+    if not panels:
+        return
+    cols = min(2, len(panels))
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.5 * rows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, key in zip(axes.flat, panels, strict=False):
+        if key == "throughput":
+            items = sorted(scen[key]["median_per_second"].items(), key=lambda kv: kv[1] or 0)
+            colors = [
+                "tab:red" if n == "service" else "tab:gray" if n.startswith("bare") else "tab:blue"
+                for n, _ in items
+            ]
+            ax.barh([n for n, _ in items], [v or 0 for _, v in items], color=colors)
+            ax.set_xlabel("deliveries/s (median)")
+            ax.set_title(f"Outbound throughput, N = {scen[key]['events']:,}")
+        elif key == "latency":
+            rates = list(scen[key]["median"])
+            for q, style in (("p50_ms", "o-"), ("p90_ms", "s-"), ("p99_ms", "^-")):
+                ax.plot(
+                    [int(r) for r in rates],
+                    [scen[key]["median"][r][q] for r in rates],
+                    style,
+                    label=q.replace("_ms", ""),
+                )
+            ax.axhline(1000, color="tab:red", linestyle="--", label="p99 target")
+            ax.set_yscale("log")
+            ax.set_xlabel("offered events/s")
+            ax.set_ylabel("publish → first attempt, ms")
+            ax.set_title("Latency (open model)")
+            ax.legend()
+        elif key == "inbound":
+            m = scen[key]["median"]
+            labels = ["acknowledged/s", "processed/s"]
+            ax.bar(
+                labels,
+                [m["acknowledged_per_second"] or 0, m["processed_per_second"] or 0],
+                color="tab:red",
+            )
+            ax.axhline(10_000, color="tab:red", linestyle="--", label="target (processed)")
+            ax.set_yscale("log")
+            ax.set_ylabel("events/s (median)")
+            ax.set_title(f"Inbound, no-op handler, N = {scen[key]['events']:,}")
+            ax.legend()
+        else:
+            labels = ["scheduler pass", "claim batch", "peak RSS"]
+            keys = ["scheduler_pass_ms", "claim_batch_ms", "scheduler_once_peak_rss_mib"]
+            ratios = [scen[key]["ratios"][k] or 0 for k in keys]
+            ax.bar(labels, ratios, color="tab:blue")
+            for i, k in enumerate(keys):
+                ax.hlines(scen[key]["targets"][k], i - 0.4, i + 0.4, colors="tab:red")
+            ax.set_ylabel(f"{max(scen[key]['sizes']):,} rows ÷ {min(scen[key]['sizes']):,} rows")
+            ax.set_title("Growth (red: target ceiling)")
+    fig.suptitle(
+        f"{result['cpu_count']} CPUs, load {result['load_average_at_start']} ({result['mode']})"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def versions(ctx: dict) -> dict:
+    import importlib.metadata as md
+
+    out = ob.versions(ctx["db_name"])
+
+    def v(dist: str) -> str:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return "?"
+
+    out["django-q2 ORM"] = f"django-q2 {v('django-q2')}"
+    out["django-q2 Redis"] = f"django-q2 {v('django-q2')}, redis-py {v('redis')}"
+    out["procrastinate"] = f"procrastinate {v('procrastinate')}"
+    out["Celery Redis"] = f"celery {v('celery')}, kombu {v('kombu')}"
+    out["bare aiohttp loop"] = f"aiohttp {v('aiohttp')}, 256 in flight"
+    out[BASELINE_SKIP_LOCKED] = f"psycopg {v('psycopg')} + aiohttp"
+    out["service"] = (
+        f"{os.cpu_count()} run_workers (--lanes 2 --batch-size 500), ceilings 5,000, pages 2,000"
+    )
+    out["gunicorn"] = v("gunicorn")
+    out["matplotlib"] = v("matplotlib")
+    with contextlib.suppress(Exception):
+        info = subprocess.run(
+            ["redis-cli", "-h", "127.0.0.1", "INFO", "server"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout
+        out["redis_server"] = next(
+            line.split(":", 1)[1].strip()
+            for line in info.splitlines()
+            if line.startswith("redis_version")
+        )
+    return out
+
+
+def cpu_model() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small N, 1 repeat")
+    parser.add_argument("--scenarios", default="throughput,latency,inbound,growth")
+    parser.add_argument("--events", type=int, default=None, help="throughput N (20,000)")
+    parser.add_argument("--repeat", type=int, default=None, help="runs per scenario (3)")
+    parser.add_argument("--rates", default=None, help="latency: events/s, comma-separated")
+    parser.add_argument("--latency-seconds", type=float, default=None)
+    parser.add_argument("--publishers", type=int, default=2, help="latency publisher processes")
+    parser.add_argument("--inbound-events", type=int, default=None)
+    parser.add_argument("--gunicorn-workers", type=int, default=3)
+    parser.add_argument("--growth-sizes", default=None, help="due rows, comma-separated")
+    parser.add_argument("--skip-peers", default="", help="comma-separated peer names")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--output-dir", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="keep the other scenarios of the existing results.json (replace only these)",
+    )
+    parser.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        metavar="RESULTS_JSON",
+        help="only write results.md and results.png again from this results.json",
+    )
+    args = parser.parse_args(argv)
+    if args.render:
+        result = json.loads(args.render.read_text())
+        (args.render.parent / "results.md").write_text(markdown(result) + "\n")
+        chart(result, args.render.parent / "results.png")
+        return 0
+    q = args.quick
+    ctx: dict = {
+        "events": args.events or (2000 if q else 20_000),
+        "repeat": args.repeat or (1 if q else 3),
+        "rates": [int(r) for r in (args.rates or ("100,300" if q else "250,500,1000")).split(",")],
+        "latency_seconds": args.latency_seconds or (3 if q else 15),
+        "publishers": args.publishers,
+        "inbound_events": args.inbound_events or (500 if q else 10_000),
+        "gunicorn_workers": args.gunicorn_workers,
+        "growth_sizes": [
+            int(s)
+            for s in (args.growth_sizes or ("1000,20000" if q else "10000,1000000")).split(",")
+        ],
+        "growth_passes": 3 if q else 5,
+        "skip_peers": {s.strip() for s in args.skip_peers.split(",") if s.strip()},
+        "timeout": args.timeout,
+    }
+    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    base_url = (
+        os.environ.get("DATABASE_URL")
+        or subprocess.run(
+            [str(ROOT / "scripts" / "ensure_postgres.sh")],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+    base_name = urlsplit(base_url).path.lstrip("/") or "webhooks"
+    ctx["base_url"] = base_url
+    ctx["db_name"] = f"{base_name}_bench"
+    peer_db = f"{base_name}_bench_peers"
+    ctx["peer_db_url"] = ob.with_db(base_url, peer_db)
+    ctx["logs"] = Path(tempfile.mkdtemp(prefix="bench-run-"))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if "throughput" in scenarios:
+        subprocess.run([str(ROOT / "scripts" / "ensure_redis.sh")], check=True)
+    for name in (ctx["db_name"], peer_db):
+        ob.ensure_database(ob.with_db(base_url, "postgres"), name)
+    db_url = ob.with_db(base_url, ctx["db_name"], "bench-ctl")
+    ob.migrate({**os.environ, "DATABASE_URL": db_url})
+    ob.setup_django(db_url)
+    ctx["receiver"] = ob.start_receiver(None)
+    result: dict = {
+        "mode": "quick" if q else "full",
+        "measured_at": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "repeat": ctx["repeat"],
+        "versions": versions(ctx),
+        "settings": {k: v for k, v in ctx.items() if k not in ("receiver", "logs", "base_url")},
+        "scenarios": {},
+    }
+    result["settings"]["skip_peers"] = sorted(ctx["skip_peers"])
+    funcs = {
+        "throughput": scenario_throughput,
+        "latency": scenario_latency,
+        "inbound": scenario_inbound,
+        "growth": scenario_growth,
+    }
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    result["admin_reference"] = admin_reference()
+    previous = args.output_dir / "results.json"
+    if args.update and previous.exists():
+        result["scenarios"] = json.loads(previous.read_text()).get("scenarios", {})
+
+    def write() -> str:
+        # After every scenario, so a failure later in the run keeps what was measured.
+        result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+        (args.output_dir / "results.json").write_text(
+            json.dumps(result, indent=2, default=str) + "\n"
+        )
+        md_text = markdown(result)
+        (args.output_dir / "results.md").write_text(md_text + "\n")
+        chart(result, args.output_dir / "results.png")
+        return md_text
+
+    try:
+        for name in scenarios:
+            load = [round(x, 2) for x in os.getloadavg()]
+            started_at = time.strftime("%Y-%m-%d %H:%M:%S %z")
+            result["scenarios"][name] = funcs[name](ctx)
+            result["scenarios"][name]["measured"] = {
+                "at": started_at,
+                "load_average_before": load,
+                "load_average_after": [round(x, 2) for x in os.getloadavg()],
+                "repeat": ctx["repeat"],
+            }
+            md_text = write()
+    except ob.BenchError as exc:
+        print(f"FAILED: {exc}\nlogs: {ctx['logs']}", file=sys.stderr)
+        return 1
+    finally:
+        ob.stop_all()
+    print("\n" + md_text)
+    print(f"results: {args.output_dir}/results.{{json,md,png}}; logs: {ctx['logs']}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        ob.stop_all()
+        sys.exit(130)
