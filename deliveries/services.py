@@ -92,9 +92,11 @@ def publish_event(
         if tracing.enabled()
         else None
     )
+    # Inside the caller's transaction no savepoint is needed: nothing here can fail in a
+    # way the caller could recover from and go on, except a reused idempotency key.
     with (
         tracing.use_span(span) if span is not None else contextlib.nullcontext(),
-        transaction.atomic(),
+        transaction.atomic(savepoint=idempotency_key is not None),
     ):
         event = Event.objects.create(
             tenant_id=tenant_id,
