@@ -406,3 +406,29 @@ def test_the_source_cache_sees_changes_made_in_this_process_at_once(client, sett
     source.enabled = False
     source.save()
     assert post("old").status_code == 404
+
+
+def test_a_connection_the_server_dropped_costs_no_failed_request(stripe):
+    import psycopg
+    from django.conf import settings as django_settings
+
+    assert post(stripe_event("evt_before")).status_code == 200
+    # The server ends this process's persistent connection (as a restart would).
+    pid = connection.connection.info.backend_pid
+    params = connection.get_connection_params()
+    with psycopg.connect(
+        dbname=django_settings.DATABASES["default"]["NAME"],
+        **{k: params[k] for k in ("user", "host", "port") if k in params},
+        autocommit=True,
+    ) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+    time.sleep(0.2)
+
+    r = post(stripe_event("evt_after"))
+    assert r.status_code == 200, r.content
+    assert r.json()["status"] == "accepted"
+    assert connection.connection.info.backend_pid != pid
+    assert set(InboundEvent.objects.values_list("event_id", flat=True)) == {
+        "evt_before",
+        "evt_after",
+    }
