@@ -16,6 +16,8 @@ from django.db import connection
 from django.db.models import Count, Max, Min
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from project.metrics import add_state_counts
+
 from .models import Delivery, DeliveryState, LoopRun, Outbox
 
 OTHER = "other"
@@ -58,17 +60,12 @@ def delivery_gauges(now: float) -> Iterable[Metric]:
         "Succeeded deliveries are counted by webhooks_deliveries_finished_total.",
         labels=["state"],
     )
-    # Each filter matches one partial index's condition exactly, so these are index-only
-    # counts of the rows that index holds.
-    by_state.add_metric(["pending"], Delivery.objects.filter(state=DeliveryState.PENDING).count())
-    in_flight = dict(
-        Delivery.objects.filter(state__in=[DeliveryState.ENQUEUED, DeliveryState.LEASED])
-        .values_list("state")
-        .annotate(n=Count("id"))
-        .order_by()
+    add_state_counts(
+        by_state,
+        Delivery,
+        pending=DeliveryState.PENDING,
+        in_flight=[DeliveryState.ENQUEUED, DeliveryState.LEASED],
     )
-    for state in (DeliveryState.ENQUEUED, DeliveryState.LEASED):
-        by_state.add_metric([state], in_flight.get(state, 0))
     dead = dict(
         Delivery.objects.filter(state=DeliveryState.DEAD)
         .values_list("last_outcome")

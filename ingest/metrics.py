@@ -5,6 +5,8 @@ from collections.abc import Iterable
 from django.db.models import Count
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from project.metrics import add_state_counts
+
 from .models import (
     BackfillRun,
     BackfillState,
@@ -23,15 +25,12 @@ def inbound_gauges(now: float) -> Iterable[Metric]:
         "inbound_due), enqueued and processing (inbound_in_flight).",
         labels=["state"],
     )
-    events.add_metric(["pending"], InboundEvent.objects.filter(state=InboundState.PENDING).count())
-    in_flight = dict(
-        InboundEvent.objects.filter(state__in=[InboundState.ENQUEUED, InboundState.PROCESSING])
-        .values_list("state")
-        .annotate(n=Count("id"))
-        .order_by()
+    add_state_counts(
+        events,
+        InboundEvent,
+        pending=InboundState.PENDING,
+        in_flight=[InboundState.ENQUEUED, InboundState.PROCESSING],
     )
-    for state in (InboundState.ENQUEUED, InboundState.PROCESSING):
-        events.add_metric([state], in_flight.get(state, 0))
     yield events
 
     # One row per (source, reason), kept by every web process: the fleet-wide count,

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 
 from django.conf import settings
 from django.db import connection, transaction
+from django.db.models import Count
 from django.http import HttpResponse, HttpResponseForbidden
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -126,6 +127,23 @@ def status_class(status: int | None) -> str:
 
 Provider = Callable[[float], Iterable[Metric]]
 PROVIDERS: dict[str, Provider] = {}
+
+
+def add_state_counts(family, model, *, pending: str, in_flight: Iterable[str]) -> None:
+    """Add one sample per state to ``family`` (labelled by state) for a job table with
+    a partial index on its ``pending`` rows and one on its ``in_flight`` rows: each filter
+    is exactly an index's condition, so the counts read only the rows that index holds
+    (deliveries and inbound events alike)."""
+    family.add_metric([pending], model.objects.filter(state=pending).count())
+    in_flight = list(in_flight)
+    counts = dict(
+        model.objects.filter(state__in=in_flight)
+        .values_list("state")
+        .annotate(n=Count("pk"))
+        .order_by()
+    )
+    for state in in_flight:
+        family.add_metric([state], counts.get(state, 0))
 
 
 def register_provider(name: str, provider: Provider) -> None:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from tests.chaos.pgcluster import PrivateCluster, free_port
-from tests.chaos.soak import ROOT, Fleet, SendStats, child_env, post_signed
+from tests.chaos.soak import ROOT, Fleet, SendStats, post_signed, setup_django
 
 PER_PHASE = 20  # outbound events and inbound events published after each trouble
 PHASE_DEADLINE = 90.0
@@ -42,13 +42,7 @@ def run(json_path: str | None, only: str = "") -> int:
 
     signal.signal(signal.SIGTERM, interrupted)
     try:
-        env = child_env(cluster)
-        os.environ.update({k: v for k, v in env.items() if k != "PYTHONPATH"})
-        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
-        import django
-
-        django.setup()
-        from django.core.management import call_command
+        env = setup_django(cluster)
         from django.db import InterfaceError, OperationalError, connection
 
         from deliveries import services
@@ -56,12 +50,9 @@ def run(json_path: str | None, only: str = "") -> int:
         from ingest.models import InboundEvent
         from ingest.schemes import get_scheme
         from ingest.services import source_create
-        from tests.chaos.handlers import EFFECT_TABLE_SQL, SOURCE
+        from tests.chaos.handlers import SOURCE
         from tests.chaos.receiver import ChaosReceiver
 
-        call_command("migrate", verbosity=0)
-        with connection.cursor() as cursor:
-            cursor.execute(EFFECT_TABLE_SQL)
         receiver = ChaosReceiver(seed=0).start()
         tenant = Tenant.objects.create(name="dbtrouble")
         _, secret = services.endpoint_create(tenant=tenant, url=receiver.url("/ok"))

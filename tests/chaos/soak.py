@@ -82,6 +82,27 @@ def child_env(cluster: PrivateCluster) -> dict[str, str]:
     }
 
 
+def setup_django(cluster: PrivateCluster) -> dict[str, str]:
+    """Point this process at the private cluster with the run's environment, set Django
+    up, migrate, and create the handlers' effect table. Returns the environment for the
+    children."""
+    env = child_env(cluster)
+    os.environ.update({k: v for k, v in env.items() if k != "PYTHONPATH"})
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+    from django.db import connection
+
+    from tests.chaos.handlers import EFFECT_TABLE_SQL
+
+    call_command("migrate", verbosity=0)
+    with connection.cursor() as cursor:
+        cursor.execute(EFFECT_TABLE_SQL)
+    return env
+
+
 # --- The fleet of processes under test ---------------------------------------------------
 
 
@@ -627,25 +648,16 @@ def run(cfg: Config) -> int:
     cluster = PrivateCluster().start()
     fleet = web = receiver = None
     try:
-        env = child_env(cluster)
-        os.environ.update({k: v for k, v in env.items() if k != "PYTHONPATH"})
-        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
-        import django
-
-        django.setup()
-        from django.core.management import call_command
+        env = setup_django(cluster)
         from django.db import connection
 
         from deliveries import services
         from deliveries.models import Delivery, Outbox, QueueMessage, Tenant
         from ingest.models import InboundEvent
         from ingest.services import source_create
-        from tests.chaos.handlers import EFFECT_TABLE_SQL, SOURCE
+        from tests.chaos.handlers import SOURCE
         from tests.chaos.receiver import ChaosReceiver, Rates
 
-        call_command("migrate", verbosity=0)
-        with connection.cursor() as cursor:
-            cursor.execute(EFFECT_TABLE_SQL)
         rng = random.Random(cfg.seed)
 
         receiver = ChaosReceiver(seed=cfg.seed, slow_seconds=2.5).start()
