@@ -62,6 +62,8 @@ _JSON = "application/json"
 _FORM = "application/x-www-form-urlencoded"
 _TIMESTAMP = re.compile(r"[0-9]{1,12}")  # ASCII digits only: str.isdigit() accepts "²"
 _HEX = re.compile(r"[0-9a-fA-F]+")
+# What may begin a signature header value (after the server strips whitespace).
+_PREFIX = re.compile(r"[!-~][ -~]*")
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9a-z-]+")  # an RFC 9110 token, lower-cased
 
 
@@ -692,6 +694,13 @@ class GenericHmac(Scheme):
         self.signed_template = o.get("signed_template", default_template)
         if not self.header:
             raise ValueError("the hmac scheme needs a signature header")
+        if self.prefix and not _PREFIX.fullmatch(self.prefix):
+            # A header value arrives stripped of surrounding whitespace, in printable
+            # ASCII: a prefix outside that could be signed but never verified.
+            raise ValueError(
+                f"hmac scheme option 'prefix': {self.prefix!r} must be printable ASCII "
+                "and not start with a space"
+            )
         named = {
             "header": self.header,
             "timestamp_header": self.timestamp_header,

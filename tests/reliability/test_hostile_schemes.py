@@ -15,7 +15,7 @@ import contextlib
 import string
 
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from ingest.schemes import Request, UnparseableBody, VerificationFailed, get_scheme
@@ -184,6 +184,9 @@ generic_options = st.fixed_dictionaries(
 
 @PROPERTY
 @given(options=generic_options, body=st.binary(max_size=200), other=st.binary(max_size=200))
+# Found by this test: a prefix starting with a space signed fine but could never verify
+# (header values arrive stripped); such a prefix is now refused.
+@example(options={"prefix": " "}, body=b"", other=b"\x00")
 def test_any_generic_hmac_configuration_is_refused_or_round_trips_and_refuses_forgeries(
     options, body, other
 ):
