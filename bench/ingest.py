@@ -37,10 +37,8 @@ runs on 127.0.0.1 and is bounded in time (``--budget``); children die with the b
 
 Options: ``--repeat N`` runs the servers N times, alternating their order, and reports
 medians (the ratio is taken per repeat, each server measured next to the other);
-``--servers trivial,ingest,prototype`` adds ``bench/ingest_prototype.py``, the receive
-view with the proposed changes, under the same conditions; ``--in-process`` adds that
-module's in-process CPU per request of each change; ``--py-spy DIR`` profiles the receive
-view's workers during one extra step at its saturation rate, after the measured ones.
+``--py-spy DIR`` profiles the receive view's workers during one extra step at its
+saturation rate, after the measured ones.
 """
 
 import argparse
@@ -62,7 +60,6 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -70,6 +67,8 @@ ROOT = HERE.parent
 # ``ingest`` package for anything imported later.
 if sys.path and Path(sys.path[0] or ".").resolve() == HERE:
     sys.path[0] = str(ROOT)
+
+from bench.outbound import database_url, ensure_database, parse_env, with_db  # noqa: E402
 
 RESULTS = HERE / "results"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -79,13 +78,10 @@ APPLICATION_NAME = "bench-gunicorn"
 SERVERS = {
     "trivial": "bench.ingest_trivial:application",
     "ingest": "project.wsgi:application",
-    # Opt-in (--servers): the receive view with the proposed changes, as evidence.
-    "prototype": "bench.ingest_prototype:application",
 }
 LABELS = {
     "trivial": "trivial view",
     "ingest": "receive view (accepted)",
-    "prototype": "prototype receive view (accepted)",
 }
 # Emptied before every step of the receive view (CASCADE reaches the rest).
 INGEST_TABLES = (
@@ -200,12 +196,6 @@ def free_port() -> int:
 # --- Database ------------------------------------------------------------------------
 
 
-def with_db(url: str, name: str, application_name: str | None = None) -> str:
-    parts = urlsplit(url)
-    query = f"application_name={application_name}" if application_name else ""
-    return urlunsplit((parts.scheme, parts.netloc, "/" + name, query, ""))
-
-
 class Database:
     """The benchmark's own connection (autocommit) to the bench database."""
 
@@ -230,33 +220,6 @@ class Database:
             "SELECT pid FROM pg_stat_activity WHERE application_name = %s", [APPLICATION_NAME]
         )
         return sum(proc_cpu_seconds(pid) for (pid,) in pids)
-
-
-def ensure_database(base_url: str, name: str) -> None:
-    import psycopg
-
-    conninfo = urlunsplit(urlsplit(base_url)._replace(query="", fragment=""))
-    owner = urlsplit(base_url).username or "webhooks"
-    try:
-        with psycopg.connect(conninfo, autocommit=True) as conn:
-            if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone():
-                conn.execute(f'CREATE DATABASE "{name}" OWNER "{owner}"')
-            return
-    except psycopg.Error as exc:
-        first_error = exc
-    # The service role may lack CREATEDB; the local superuser trusts local connections.
-    parts = urlsplit(base_url)
-    done = subprocess.run(
-        [
-            *("psql", "-X", "-q", "-h", parts.hostname or "127.0.0.1"),
-            *("-p", str(parts.port or 5432), "-U", "postgres", "-d", "postgres"),
-            *("-c", f'CREATE DATABASE "{name}" OWNER "{owner}"'),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        raise BenchError(f"cannot create database {name}: {first_error}; {done.stderr.strip()}")
 
 
 def manage(env: dict, *args: str) -> subprocess.CompletedProcess:
@@ -663,29 +626,6 @@ def summarize(result: dict) -> dict:
     # the machine that works for the request (server, its backends, the generator), at
     # half saturation. Less sensitive to other load coming and going between steps.
     cost_ratios = [_cpu_per_request(r["trivial"]) / _cpu_per_request(r["ingest"]) for r in pairs]
-    extra = {}
-    protos = [r for r in pairs if "half" in r.get("prototype", {})]
-    if protos:
-        extra = {
-            "prototype_ratio": round(
-                statistics.median(
-                    r["prototype"]["saturation"]["achieved_per_second"]
-                    / r["trivial"]["saturation"]["achieved_per_second"]
-                    for r in protos
-                ),
-                3,
-            ),
-            "prototype_cpu_cost_ratio": round(
-                statistics.median(
-                    _cpu_per_request(r["trivial"]) / _cpu_per_request(r["prototype"])
-                    for r in protos
-                ),
-                3,
-            ),
-            "prototype_half_p99_ms": _median_ms(
-                r["prototype"]["half"]["latency_ms"]["p99"] for r in protos
-            ),
-        }
     runs = [run for r in result["repeats"] for run in r.values() if isinstance(run, dict)]
     every = [step for run in runs for step in _steps(run)]
     storing_steps = [step for run in runs if run["server"] != "trivial" for step in _steps(run)]
@@ -730,7 +670,6 @@ def summarize(result: dict) -> dict:
             for step in storing_steps
             if step["checks"]["errors"] == 0
         ),
-        **extra,
     }
 
 
@@ -784,15 +723,6 @@ def markdown(result: dict) -> str:
         "CPU per request, trivial over receive view (server + its PostgreSQL backends + "
         f"generator, at half saturation; median): {s['cpu_cost_ratio']:.2f}; without the "
         f"generator: {s['server_cpu_cost_ratio']:.2f}.",
-        *(
-            [
-                f"Prototype (bench/ingest_prototype.py): ratio {s['prototype_ratio']:.2f}, "
-                f"CPU per request ratio {s['prototype_cpu_cost_ratio']:.2f}, p99 at half "
-                f"its saturation {s['prototype_half_p99_ms']} ms."
-            ]
-            if "prototype_ratio" in s
-            else []
-        ),
         "Receive view p99 at half its saturation (median): "
         f"**{s['ingest_half_p99_ms']} ms** (target < {TARGET_P99_MS:.0f} ms): "
         + ("met" if s["p99_met"] else "**NOT met**")
@@ -840,33 +770,6 @@ def markdown(result: dict) -> str:
     return "\n".join(rows)
 
 
-def in_process(db_url: str) -> dict:
-    """``bench/ingest_prototype.py``'s comparison, run after the servers are gone."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "in_process.json"
-        done = subprocess.run(
-            [sys.executable, str(HERE / "ingest_prototype.py"), "--json", str(out)],
-            cwd=ROOT,
-            env={**os.environ, "DATABASE_URL": db_url},
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        if done.returncode != 0:
-            return {"failed": done.stderr[-2000:]}
-        return {"variants": json.loads(out.read_text()), "table": done.stdout.strip()}
-
-
-def parse_env(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise SystemExit(f"--env wants NAME=VALUE, got {item!r}")
-        out[name] = value
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -904,25 +807,11 @@ def main(argv: list[str] | None = None) -> int:
         "--env", action="append", default=[], metavar="NAME=VALUE", help="for both servers"
     )
     parser.add_argument("--output", type=Path, default=RESULTS / "ingest.json")
-    parser.add_argument(
-        "--in-process",
-        action="store_true",
-        help="also run bench/ingest_prototype.py (CPU per request of each proposed change, "
-        "in one process, no HTTP) and keep its figures in the JSON",
-    )
     parser.add_argument("--py-spy", type=Path, default=None, metavar="DIR")
     parser.add_argument("--py-spy-mode", choices=("gil", "cpu", "wall"), default="wall")
     args = parser.parse_args(argv)
 
-    base_url = (
-        os.environ.get("DATABASE_URL")
-        or subprocess.run(
-            [str(ROOT / "scripts" / "ensure_postgres.sh")],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    )
+    base_url = database_url()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     atexit.register(stop_all)
     logs = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
@@ -979,16 +868,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_all()
     result["summary"] = summarize(result)
-    if args.in_process and not failed:
-        result["in_process"] = in_process(with_db(base_url, args.db_name, "bench-in-process"))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2, default=str) + "\n")
     if result["summary"]:
         print()
         print(markdown(result))
-    if result.get("in_process"):
-        print()
-        print(result["in_process"]["table"])
     print(f"\nresults: {args.output}")
     if failed:
         return 1

@@ -660,6 +660,20 @@ def markdown(result: dict) -> str:
     return "\n".join(rows)
 
 
+def database_url() -> str:
+    """``DATABASE_URL``, or the local server's (found or started by
+    scripts/ensure_postgres.sh, as ``make test`` does)."""
+    return (
+        os.environ.get("DATABASE_URL")
+        or subprocess.run(
+            [str(ROOT / "scripts" / "ensure_postgres.sh")],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+
+
 def parse_env(items: list[str]) -> dict:
     out = {}
     for item in items:
@@ -711,15 +725,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    base_url = (
-        os.environ.get("DATABASE_URL")
-        or subprocess.run(
-            [str(ROOT / "scripts" / "ensure_postgres.sh")],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    )
+    base_url = database_url()
     db_url = with_db(base_url, args.db_name, "bench-ctl")
     pipeline = Pipeline(
         workers=args.workers,

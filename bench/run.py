@@ -918,15 +918,7 @@ def main(argv: list[str] | None = None) -> int:
         "timeout": args.timeout,
     }
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
-    base_url = (
-        os.environ.get("DATABASE_URL")
-        or subprocess.run(
-            [str(ROOT / "scripts" / "ensure_postgres.sh")],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    )
+    base_url = ob.database_url()
     base_name = urlsplit(base_url).path.lstrip("/") or "webhooks"
     ctx["base_url"] = base_url
     ctx["db_name"] = f"{base_name}_bench"
