@@ -75,8 +75,9 @@ _SOURCE_CACHE_MAX = 1000  # unknown slugs are cached too; bounded against slug f
 
 
 def source_for(slug: str) -> Source | None:
-    """The enabled source ``slug`` (None if unknown or disabled), with
-    ``accepted_content_types`` and ``cached_secrets`` [(secret, expires_at)] attached."""
+    """The enabled source ``slug`` (None if unknown or disabled), with its configured
+    ``verifier`` (its scheme), ``accepted_content_types`` and ``cached_secrets``
+    [(secret, expires_at)] attached."""
     ttl = settings.INGEST_SOURCE_CACHE_SECONDS
     now = time.monotonic()
     hit = _SOURCE_CACHE.get(slug)
@@ -84,8 +85,8 @@ def source_for(slug: str) -> Source | None:
         return hit[1]
     source = Source.objects.filter(slug=slug, enabled=True).first()
     if source is not None:
-        scheme = get_scheme(source.scheme, source.options or None)
-        source.accepted_content_types = tuple(source.content_types or scheme.content_types)
+        source.verifier = _verifier(source)
+        source.accepted_content_types = tuple(source.content_types or source.verifier.content_types)
         source.cached_secrets = tuple(
             SourceSecret.objects.filter(source=source)
             .order_by("-created_at")
@@ -167,6 +168,12 @@ class Received:
     duplicate: bool = False
 
 
+def _verifier(source: Source):
+    """The source's configured scheme: the one ``source_for`` attached (built once per
+    cache period, not per request), else built now."""
+    return getattr(source, "verifier", None) or get_scheme(source.scheme, source.options or None)
+
+
 def _live_secrets(source: Source, now: datetime) -> list[str]:
     """The secrets not yet expired, newest first (from the cache when the source came
     from ``source_for``)."""
@@ -197,7 +204,7 @@ def inbound_receive(*, source: Source, request: Request, remote: str = "") -> Re
     transaction; ``UNIQUE(source, event_id)`` turns a second copy, even a concurrent
     one, into a counted duplicate."""
     now = timezone.now()
-    scheme = get_scheme(source.scheme, source.options or None)
+    scheme = _verifier(source)
     try:
         scheme.verify(
             request,
