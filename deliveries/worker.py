@@ -322,7 +322,13 @@ class Worker:
         """Dequeue and lease up to ``limit`` messages, run the other kinds' jobs, and
         start sending the deliveries in a task of their own (returned), so that the lane
         can take the next batch while these requests are out."""
-        taken = await self._in_db(_take, self.broker, limit, self.lease_seconds)
+        # The room is reserved while the database is asked, so that lanes taking at the
+        # same moment do not each count the same free slots.
+        self.sending += limit
+        try:
+            taken = await self._in_db(_take, self.broker, limit, self.lease_seconds)
+        finally:
+            self.sending -= limit
         for kind, items in taken.others.items():
             await self._process_other(kind, items)
         sending = None
@@ -385,6 +391,8 @@ class Worker:
                 done: set = set()
                 if pending:
                     done, pending = await asyncio.wait(pending, timeout=RECORD_EVERY)
+                    released += [tasks[t] for t in done if t.cancelled()]
+                    done = {t for t in done if not t.cancelled()}
                     if self.abandon.is_set() and pending:
                         for task in pending:
                             task.cancel()
@@ -492,6 +500,14 @@ class Worker:
             span.end()
 
     async def _attempt(self, item: state.Leased, target: Target) -> state.AttemptResult:
+        async with self.in_flight:
+            if self.abandon.is_set():
+                # Past the shutdown grace while waiting for a slot: never sent, so the
+                # lease is given back (a cancelled task is released by _deliver).
+                raise asyncio.CancelledError
+            return await self._post(item, target)
+
+    async def _post(self, item: state.Leased, target: Target) -> state.AttemptResult:
         msg_id = str(item.id)
         timestamp = int(time.time())
         headers = {
@@ -510,24 +526,23 @@ class Worker:
         logged_headers = {"webhook-timestamp": str(timestamp)}
         logged_headers.update(dict.fromkeys(target.headers, "[redacted]"))
         started = datetime.now(UTC)
-        async with self.in_flight:
-            try:
-                response = await self.egress.post(
-                    target.url, body=item.body, headers=headers, timeout=target.timeout
-                )
-            except EgressError as exc:
-                return state.AttemptResult(
-                    leased=item,
-                    classification=classify(
-                        status=None, error_kind=str(exc.kind), ambiguous=exc.ambiguous
-                    ),
-                    started_at=started,
-                    duration_ms=exc.elapsed_ms,
-                    error_kind=str(exc.kind),
-                    error=exc.detail,
-                    request_headers=logged_headers,
-                    worker=self.name,
-                )
+        try:
+            response = await self.egress.post(
+                target.url, body=item.body, headers=headers, timeout=target.timeout
+            )
+        except EgressError as exc:
+            return state.AttemptResult(
+                leased=item,
+                classification=classify(
+                    status=None, error_kind=str(exc.kind), ambiguous=exc.ambiguous
+                ),
+                started_at=started,
+                duration_ms=exc.elapsed_ms,
+                error_kind=str(exc.kind),
+                error=exc.detail,
+                request_headers=logged_headers,
+                worker=self.name,
+            )
         classification = classify(
             status=response.status, retry_client_errors=target.retry_client_errors
         )

@@ -21,6 +21,31 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture
+def workers_process():
+    """Start ``run_workers`` as a real process; whatever a failed assertion leaves running
+    is killed, so it cannot go on writing to the test database."""
+    started: list[subprocess.Popen] = []
+
+    def start(*args: str, env: dict[str, str]) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "manage.py"), "run_workers", *args],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 def test_create_tenant_prints_the_key_alone_on_the_last_line():
     result = manage("create_tenant", "globex", env=subprocess_env())
     assert result.returncode == 0, result.stderr
@@ -62,7 +87,9 @@ def test_delivery_status_explains_a_delivery(tenant):
     assert missing.returncode != 0 and "no delivery" in missing.stderr
 
 
-def test_sigterm_lets_workers_finish_and_record_the_requests_in_flight(tenant, receiver):
+def test_sigterm_lets_workers_finish_and_record_the_requests_in_flight(
+    tenant, receiver, workers_process
+):
     receiver.delays["/slow"] = 1.5
     services.endpoint_create(tenant=tenant, url=receiver.url("/slow"))
     for i in range(3):
@@ -70,14 +97,7 @@ def test_sigterm_lets_workers_finish_and_record_the_requests_in_flight(tenant, r
     scheduler_tick()
     relay_tick()
 
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "manage.py"), "run_workers"],
-        env=subprocess_env(),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = workers_process(env=subprocess_env())
     receiver.wait_for(3, timeout=20)
     proc.send_signal(signal.SIGTERM)
     started = time.monotonic()
@@ -89,9 +109,11 @@ def test_sigterm_lets_workers_finish_and_record_the_requests_in_flight(tenant, r
     assert Delivery.objects.filter(state="leased").count() == 0
 
 
-def test_sigterm_past_the_grace_gives_the_leases_back_and_strands_nothing(tenant, receiver):
+def test_sigterm_past_the_grace_gives_the_leases_back_and_strands_nothing(
+    tenant, receiver, workers_process
+):
     # Each request takes far longer than the grace; the worker sends two at a time, so
-    # at SIGTERM two requests are in flight and four leased deliveries wait their turn.
+    # at SIGTERM two requests are in flight and four deliveries wait in the queue.
     receiver.delays["/slow"] = 15
     services.endpoint_create(tenant=tenant, url=receiver.url("/slow"))
     for i in range(6):
@@ -99,16 +121,10 @@ def test_sigterm_past_the_grace_gives_the_leases_back_and_strands_nothing(tenant
     scheduler_tick()
     relay_tick()
 
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "manage.py"), "run_workers", "--concurrency", "2"],
-        env=subprocess_env(WORKER_SHUTDOWN_GRACE="1"),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = workers_process("--concurrency", "2", env=subprocess_env(WORKER_SHUTDOWN_GRACE="1"))
     receiver.wait_for(2, timeout=20)
-    assert Delivery.objects.filter(state="leased").count() == 6
+    # The ceiling: two requests out, two leases held; the other four wait in the queue.
+    assert Delivery.objects.filter(state="leased").count() == 2
     proc.send_signal(signal.SIGTERM)
     started = time.monotonic()
     out, err = proc.communicate(timeout=30)
@@ -116,15 +132,18 @@ def test_sigterm_past_the_grace_gives_the_leases_back_and_strands_nothing(tenant
     assert proc.returncode == 0, err
     # The grace (1 s), not the receiver (15 s), decided when the worker stopped.
     assert time.monotonic() - started < 8
-    assert "released=6" in out
+    assert "released=2" in out
+    assert len(receiver.received) == 2
     # Every lease was given back at once: pending, due, the attempt not counted, and the
-    # spent broker messages acknowledged. Nothing waits for a lease to run out.
+    # spent broker messages acknowledged. Nothing waits for a lease to run out; the
+    # four never taken are still queued.
     assert Delivery.objects.filter(state="leased").count() == 0
     due = Delivery.objects.filter(state="pending", next_attempt_at__lte=timezone.now())
-    assert due.count() == 6
+    assert due.count() == 2
+    assert Delivery.objects.filter(state="enqueued").count() == 4
     assert set(Delivery.objects.values_list("attempt_count", "policy_attempts")) == {(0, 0)}
     assert Attempt.objects.count() == 0
-    assert QueueMessage.objects.count() == 0
+    assert QueueMessage.objects.count() == 4
 
     receiver.delays["/slow"] = 0
     drain()
@@ -134,6 +153,6 @@ def test_sigterm_past_the_grace_gives_the_leases_back_and_strands_nothing(tenant
     assert all(d.attempt_count == 1 for d in deliveries.values())
     copies = Counter(r.webhook_id for r in receiver.requests_to("/slow"))
     # Each delivery reached the receiver under its own single webhook-id: the two cut
-    # off mid-request twice, the four that never started once.
+    # off mid-request twice, the four never taken once.
     assert set(copies) == set(deliveries)
     assert sorted(copies.values()) == [1, 1, 1, 1, 2, 2]

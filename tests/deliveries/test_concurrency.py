@@ -86,3 +86,28 @@ def test_concurrent_schedulers_relays_and_workers_deliver_each_delivery_once(
     assert len(copies) == expected
     assert max(copies.values()) == 1
     assert Attempt.objects.count() == expected
+
+
+def test_the_concurrency_ceiling_holds_across_lanes_that_take_at_once(tenant, receiver):
+    """Four lanes start together with every slot free: each must reserve its room before
+    it waits for the database, or all four lease a full batch and the worker sends four
+    times its ceiling."""
+    receiver.delays["/slow"] = 3
+    services.endpoint_create(tenant=tenant, url=receiver.url("/slow"))
+    for i in range(12):
+        services.publish_event(tenant=tenant, event_type="t", payload={"i": i})
+    scheduler_tick()
+    relay_tick()
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        worker = Worker(lanes=4, concurrency=2, batch_size=2, shutdown_grace=0)
+        running = asyncio.create_task(worker.run(stop=stop, idle_sleep=0.01))
+        await asyncio.sleep(1.5)  # every lane has had its turn; the first answers are 3 s off
+        stop.set()
+        await running
+
+    asyncio.run(main())
+    assert len(receiver.received) == 2
+    assert Delivery.objects.filter(state="succeeded").count() == 0
+    assert Delivery.objects.filter(state="leased").count() == 0
