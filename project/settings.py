@@ -86,6 +86,15 @@ if env.str("DATABASE_URL", default=""):
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = env.bool(
         "DATABASE_CONN_HEALTH_CHECKS", default=True
     )
+    # The hot path's statements (deliveries.sql.bound_cursor: claim, lease, record, the
+    # inbound insert) are prepared on a connection after this many runs, so PostgreSQL
+    # stops parsing and planning them every time. The ORM's client-side-binding cursors
+    # never prepare. 0 turns it off (a pooler in transaction mode, like PgBouncer before
+    # 1.21, cannot keep prepared statements).
+    _prepare = env.int("DATABASE_PREPARE_THRESHOLD", default=5)
+    DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
+        "prepare_threshold", _prepare if _prepare > 0 else None
+    )
 else:
     Path(SQLITE_PATH).parent.mkdir(parents=True, exist_ok=True)
     DATABASES = {

@@ -29,6 +29,50 @@ def test_publish_writes_one_pending_delivery_per_subscribed_endpoint(tenant, mak
     assert bytes(Event.objects.get(id=event.id).body) == b'{"n":1}'
 
 
+def test_publish_writes_what_the_models_would(tenant, make_endpoint):
+    """On PostgreSQL the event and its deliveries are written by one SQL statement; every
+    column it leaves to a default must hold what the ORM would have written, and the
+    returned event must equal the stored one."""
+    endpoint = make_endpoint("http://127.0.0.1:9/a")
+    other_tenant = services.tenant_create(name="other")[0]
+    services.endpoint_create(tenant=other_tenant, url="http://127.0.0.1:9/other")
+
+    event = services.publish_event(
+        tenant=tenant, event_type="t", payload={"a": 1}, entity_id="cus_1", priority=3
+    )
+
+    def columns(instance) -> dict:
+        values = {f.attname: getattr(instance, f.attname) for f in instance._meta.concrete_fields}
+        return {k: bytes(v) if isinstance(v, memoryview) else v for k, v in values.items()}
+
+    assert columns(Event.objects.get(id=event.id)) == columns(event)
+    delivery = Delivery.objects.get()  # the other tenant's endpoint got none
+    expected = Delivery(
+        id=delivery.id,
+        event_id=event.id,
+        endpoint_id=endpoint.id,
+        tenant_id=tenant.id,
+        priority=3,
+        next_attempt_at=event.created_at,
+        created_at=event.created_at,
+        updated_at=event.created_at,
+    )
+    assert columns(delivery) == columns(expected)
+
+
+def test_endpoint_ids_pick_enabled_endpoints_whatever_their_filters(tenant, make_endpoint):
+    a = make_endpoint("http://127.0.0.1:9/a", event_types=["user.created"])
+    make_endpoint("http://127.0.0.1:9/b")
+    off = make_endpoint("http://127.0.0.1:9/off", enabled=False)
+
+    event = services.publish_event(
+        tenant=tenant, event_type="ping", payload={}, endpoint_ids=[a.id, off.id]
+    )
+    assert [d.endpoint_id for d in Delivery.objects.filter(event=event)] == [a.id]
+    none = services.publish_event(tenant=tenant, event_type="ping", payload={}, endpoint_ids=[])
+    assert not Delivery.objects.filter(event=none).exists()
+
+
 def test_a_rolled_back_publish_leaves_nothing(tenant, make_endpoint):
     make_endpoint("http://127.0.0.1:9/a")
 
