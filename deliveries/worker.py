@@ -645,6 +645,10 @@ class Worker:
                 if room <= 0:
                     await _wait(stop, SLOT_WAIT)
                     continue
+                # Cleared before the take, not after an empty one: a notification that
+                # arrives while the take runs must still end the idle wait below, or the
+                # lane sleeps a whole LISTEN_POLL with work waiting.
+                self.wake.clear()
                 try:
                     handled, sending = await self._take_and_start(room)
                     backoff = 0.5
@@ -669,7 +673,6 @@ class Worker:
                     await asyncio.wait(mine)  # what is out may come back as retries
                     continue
                 if handled == 0:
-                    self.wake.clear()
                     await _wait_any(stop, self.wake, self.idle_wait or idle_sleep)
         finally:
             # Stopping finishes the requests under way and records them.

@@ -11,6 +11,7 @@ import pytest
 from django.db import connection
 
 from deliveries import services
+from deliveries import worker as worker_module
 from deliveries.loops import StopFlag, relay_tick, run_loop, scheduler_tick
 from deliveries.models import Attempt, Delivery
 from deliveries.worker import Worker
@@ -111,3 +112,38 @@ def test_the_concurrency_ceiling_holds_across_lanes_that_take_at_once(tenant, re
     assert len(receiver.received) == 2
     assert Delivery.objects.filter(state="succeeded").count() == 0
     assert Delivery.objects.filter(state="leased").count() == 0
+
+
+def test_a_notification_during_an_empty_take_ends_the_idle_wait(tenant, receiver, monkeypatch):
+    """The relay enqueues while a lane's take is running and finds nothing. The
+    notification must end the lane's idle wait; cleared after the take, it left the lane
+    asleep for a whole LISTEN_POLL with the message waiting."""
+    services.endpoint_create(tenant=tenant, url=receiver.url("/ok"))
+    services.publish_event(tenant=tenant, event_type="t", payload={})
+    scheduler_tick()  # in the outbox, not yet on the broker
+    real_take = worker_module._take
+    relayed_at: list[float] = []
+
+    def take(*args):
+        taken = real_take(*args)
+        if not relayed_at:
+            time.sleep(0.5)  # the listener thread is listening by now
+            relay_tick()  # NOTIFY webhooks_queue at its commit
+            relayed_at.append(time.time())  # the receiver's clock
+            time.sleep(0.3)  # and the notification reaches the lane meanwhile
+        return taken
+
+    monkeypatch.setattr(worker_module, "_take", take)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        running = asyncio.create_task(Worker(lanes=1).run(stop=stop))
+        deadline = time.monotonic() + 10
+        while not receiver.received and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        stop.set()
+        await running
+
+    asyncio.run(main())
+    assert len(receiver.received) == 1
+    assert receiver.received[0].at - relayed_at[0] < worker_module.LISTEN_POLL * 0.7
