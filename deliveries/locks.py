@@ -4,10 +4,23 @@ events about the same entity are applied one at a time."""
 
 from datetime import datetime, timedelta
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from .models import EntityLock
+from .sql import bound_cursor
+
+# Take a free key, take over an expired lock, or renew our own: one statement (and, in
+# autocommit, one commit). A row held by another owner and not expired is left alone,
+# and then no row comes back.
+_ACQUIRE_SQL = """
+INSERT INTO deliveries_entitylock (key, owner, expires_at)
+VALUES (%(key)s, %(owner)s, %(expires)s)
+ON CONFLICT (key) DO UPDATE SET owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at
+WHERE deliveries_entitylock.expires_at < %(now)s
+    OR deliveries_entitylock.owner = EXCLUDED.owner
+RETURNING 1
+"""
 
 
 def entity_lock_acquire(*, key: str, owner: str, ttl: float, now: datetime | None = None) -> bool:
@@ -15,6 +28,12 @@ def entity_lock_acquire(*, key: str, owner: str, ttl: float, now: datetime | Non
     Returns whether ``owner`` now holds it. Renewing a lock one holds also works."""
     now = now or timezone.now()
     expires = now + timedelta(seconds=ttl)
+    if connection.vendor == "postgresql":
+        with bound_cursor() as cursor:
+            cursor.execute(
+                _ACQUIRE_SQL, {"key": key, "owner": owner, "expires": expires, "now": now}
+            )
+            return cursor.fetchone() is not None
     # Take over an expired lock, or renew our own: one guarded UPDATE.
     taken = EntityLock.objects.filter(key=key, expires_at__lt=now).update(
         owner=owner, expires_at=expires

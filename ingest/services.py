@@ -569,14 +569,24 @@ def _process_one(event: InboundEvent, token: uuid.UUID) -> str:
             count_attempt=False,
         )
         return "entity_busy"
+    released = False
     try:
-        return _run_handlers(event, token)
+        result = _run_handlers(event, token, release=(lock_key, owner) if lock_key else None)
+        released = result in COMMITTED  # the lock went with the handlers' commit
+        return result
     finally:
-        if lock_key:
+        if lock_key and not released:
             entity_lock_release(key=lock_key, owner=owner)
 
 
-def _run_handlers(event: InboundEvent, token: uuid.UUID) -> str:
+# _run_handlers' results whose transaction committed (the entity lock released with it).
+COMMITTED = frozenset({InboundState.PROCESSED, InboundState.SKIPPED, "stale"})
+
+
+def _run_handlers(event: InboundEvent, token: uuid.UUID, release=None) -> str:
+    """Run the event's handlers and mark it done, in one transaction; ``release`` (key,
+    owner) is an entity lock given back in that same transaction, so that a success
+    costs one commit."""
     scheme = get_scheme(event.source.scheme, event.source.options or None)
     request = Request(headers=event.headers, body=bytes(event.body))
     parsed = ParsedEvent(
@@ -596,7 +606,7 @@ def _run_handlers(event: InboundEvent, token: uuid.UUID) -> str:
     started = timezone.now()
     try:
         with transaction.atomic():
-            stale = _is_stale(version_key, event)
+            stale = not _advance_version(version_key, event)
             runs, ran = [], 0
             for registration in registrations:
                 if stale and not registration.see_stale:
@@ -617,14 +627,12 @@ def _run_handlers(event: InboundEvent, token: uuid.UUID) -> str:
             if not registrations:
                 runs.append(_run_row(event, "", started, "no_handler"))
             HandlerRun.objects.bulk_create(runs)
-            if version_key and not stale and event.occurred_at:
-                EntityVersion.objects.update_or_create(
-                    key=version_key, defaults={"applied_at": event.occurred_at, "event": event}
-                )
             final = InboundState.PROCESSED if ran else InboundState.SKIPPED
             if not _finish(event, token, state=final):
                 # The lease was lost (expired and taken over): undo, the owner applies it.
                 raise _LeaseLost
+            if release is not None:
+                entity_lock_release(key=release[0], owner=release[1])
     except _LeaseLost:
         return "lease_lost"
     except Exception as exc:
@@ -637,17 +645,43 @@ class _LeaseLost(Exception):
     pass
 
 
-def _is_stale(version_key: str, event: InboundEvent) -> bool:
-    """Older than the last event applied to the same entity (by the events' own time)."""
+# The entity's version moves to this event unless a newer one was applied already, and
+# the row stays locked to the end of the transaction: one statement, where a stale event
+# gets no row back.
+_ADVANCE_VERSION_SQL = """
+INSERT INTO ingest_entityversion (key, applied_at, event_id)
+VALUES (%(key)s, %(applied_at)s, %(event_id)s)
+ON CONFLICT (key) DO UPDATE SET applied_at = EXCLUDED.applied_at, event_id = EXCLUDED.event_id
+WHERE ingest_entityversion.applied_at <= EXCLUDED.applied_at
+RETURNING 1
+"""
+
+
+def _advance_version(version_key: str, event: InboundEvent) -> bool:
+    """Record ``event`` as the last one applied to its entity, by the events' own time,
+    unless it is older than the one already applied (stale: returns False). Runs before
+    the handlers in their transaction, so a failing handler undoes it."""
     if not version_key or event.occurred_at is None:
-        return False
+        return True
+    if connection.vendor == "postgresql":
+        with bound_cursor() as cursor:
+            cursor.execute(
+                _ADVANCE_VERSION_SQL,
+                {"key": version_key, "applied_at": event.occurred_at, "event_id": event.id},
+            )
+            return cursor.fetchone() is not None
     applied = (
         EntityVersion.objects.select_for_update()
         .filter(key=version_key)
         .values_list("applied_at", flat=True)
         .first()
     )
-    return applied is not None and event.occurred_at < applied
+    if applied is not None and event.occurred_at < applied:
+        return False
+    EntityVersion.objects.update_or_create(
+        key=version_key, defaults={"applied_at": event.occurred_at, "event": event}
+    )
+    return True
 
 
 def _run_row(event, name, started, outcome, duration_ms=0.0, error=""):

@@ -13,9 +13,9 @@ from django.test import Client
 from django.utils import timezone
 
 from deliveries import services as delivery_services
-from deliveries.models import Delivery, Tenant
+from deliveries.models import Delivery, EntityLock, Tenant
 from ingest import handlers
-from ingest.models import HandlerRun, InboundEvent, VerificationFailure
+from ingest.models import EntityVersion, HandlerRun, InboundEvent, VerificationFailure
 from ingest.schemes import get_scheme
 from ingest.services import source_create
 from tests.conftest import drain
@@ -230,6 +230,31 @@ def test_out_of_order_updated_before_created_ends_in_the_right_state(stripe):
     created = InboundEvent.objects.get(event_id="evt_new")
     assert created.state == "skipped"
     assert HandlerRun.objects.get(event=created).outcome == "stale"
+    version = EntityVersion.objects.get(key="stripe:cus_1")
+    assert version.event == InboundEvent.objects.get(event_id="evt_upd")
+    assert not EntityLock.objects.exists()  # each lock went with its event's commit
+
+
+def test_an_entity_locked_elsewhere_waits_without_a_failure_then_is_applied(stripe, applied):
+    held = EntityLock.objects.create(
+        key="stripe:cus_9",
+        owner="another worker",
+        expires_at=timezone.now() + timezone.timedelta(seconds=60),
+    )
+    post(stripe_event("evt_9", obj="cus_9"))
+    drain()
+    event = InboundEvent.objects.get()
+    assert (event.state, event.last_error, event.attempt_count) == ("pending", "entity locked", 0)
+    assert not HandlerRun.objects.exists() and applied == []
+    held.refresh_from_db()
+    assert held.owner == "another worker"  # not taken, not released by the waiter
+
+    held.delete()
+    InboundEvent.objects.update(next_attempt_at=timezone.now())
+    drain()
+    event.refresh_from_db()
+    assert event.state == "processed" and [a[0] for a in applied] == ["evt_9"]
+    assert not EntityLock.objects.exists()
 
 
 def test_a_handler_can_publish_outbound_events_in_its_transaction(stripe, receiver):
@@ -294,6 +319,7 @@ def test_a_handler_that_always_fails_ends_dead(stripe, settings):
     assert event.state == "dead"
     assert "ValueError: bug" in event.last_error
     assert HandlerRun.objects.filter(outcome="error").count() == 3
+    assert not EntityLock.objects.exists()  # released after each failed run
 
 
 def test_receiving_keeps_answering_while_processing_is_stalled_then_drains(stripe, applied):
