@@ -8,8 +8,10 @@ then drains the broker in this process with the real worker (``Worker.run(until_
 2 lanes) and the no-op handler of ``bench/inbound_noop.py``. Prints events/s (wall) and
 the CPU of this process and of its PostgreSQL backends per event. ``--entities``: a
 distinct entity per event (each takes and gives back its own entity lock and version
-row), 50 entities shared by all events (events of one entity wait for each other), or
-none (no lock, no version). Runs in the dedicated database ``webhooks_bench`` next to
+row), 50 entities shared by all events (two lanes applying events of one entity at
+once make one of them wait ``LOCK_BUSY_RETRY`` and come back through the scheduler, and
+an event older than one already applied is skipped as stale), or none (no lock, no
+version). Runs in the dedicated database ``webhooks_bench`` next to
 the one ``DATABASE_URL`` names, with its ingest and queue tables truncated first. This
 is where processing's own cost shows; ``bench/run.py --scenarios inbound`` measures it
 together with the receive view on the same cores.
@@ -21,32 +23,12 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import outbound as ob
-
-
-def postgres_cpu() -> float:
-    """CPU seconds of PostgreSQL's processes, the backends that exited included (the
-    worker's connections close when it stops): each process's own time plus the time of
-    the children it reaped, which the postmaster keeps. Other databases count too, so run
-    it on a quiet machine."""
-    total = 0.0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/comm") as f:
-                if not f.read().startswith("postgres"):
-                    continue
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += sum(int(x) for x in fields[11:15]) / ob.CLK_TCK
-    return total
 
 
 def main() -> int:
@@ -63,10 +45,10 @@ def main() -> int:
     from django.db import transaction
     from django.utils import timezone
 
-    from deliveries.loops import relay_tick
+    from deliveries.loops import relay_tick, scheduler_tick
     from deliveries.worker import Worker
     from ingest.models import InboundEvent, Source
-    from ingest.services import NewEvent, inbound_store_many, source_create
+    from ingest.services import LOCK_BUSY_RETRY, NewEvent, inbound_store_many, source_create
 
     ob.sql(
         "TRUNCATE ingest_handlerrun, ingest_entityversion, ingest_inboundevent, "
@@ -97,20 +79,33 @@ def main() -> int:
     while not relay_tick(page_size=2000).idle:
         pass
 
-    cpu0, wall0, pg0 = time.process_time(), time.perf_counter(), postgres_cpu()
-    counts = asyncio.run(
-        Worker(lanes=2, batch_size=200).run(stop=asyncio.Event(), until_idle=True, idle_sleep=0)
+    cpu0, wall0, pg0 = (
+        time.process_time(),
+        time.perf_counter(),
+        ob.postgres_cpu_seconds(reaped=True),
     )
+    counts: Counter = Counter()
+    for _ in range(60):
+        counts += asyncio.run(
+            Worker(lanes=2, batch_size=200).run(stop=asyncio.Event(), until_idle=True, idle_sleep=0)
+        )
+        done = InboundEvent.objects.filter(state__in=["processed", "skipped"]).count()
+        if done == args.events:
+            break
+        # Events whose entity another lane was applying wait LOCK_BUSY_RETRY and come
+        # back through the scheduler, as in the service.
+        time.sleep(LOCK_BUSY_RETRY)
+        scheduler_tick()
+        relay_tick()
     wall = time.perf_counter() - wall0
     cpu = time.process_time() - cpu0
-    pg = postgres_cpu() - pg0
-    done = InboundEvent.objects.filter(state__in=["processed", "skipped"]).count()
+    pg = ob.postgres_cpu_seconds(reaped=True) - pg0
     if done != args.events:
         raise SystemExit(f"only {done} of {args.events} events processed: {dict(counts)}")
     print(
         f"{args.events:,} events, entities {args.entities}: {args.events / wall:,.0f} events/s; "
         f"CPU per event: this process {cpu / args.events * 1e6:,.0f} us, "
-        f"PostgreSQL {pg / args.events * 1e6:,.0f} us"
+        f"PostgreSQL {pg / args.events * 1e6:,.0f} us; {dict(counts)}"
     )
     return 0
 

@@ -147,9 +147,12 @@ def machine_cpu() -> tuple[float, float]:
     return sum(parts) - idle, sum(parts)
 
 
-def postgres_cpu_seconds() -> float:
+def postgres_cpu_seconds(*, reaped: bool = False) -> float:
     """CPU of every PostgreSQL server process on the machine (backends, WAL writer,
-    checkpointer, autovacuum; other databases' too, so run on a quiet machine)."""
+    checkpointer, autovacuum; other databases' too, so run on a quiet machine). With
+    ``reaped``, also the backends that have exited since the server started (the time of
+    the children it reaped, which the postmaster keeps): for a measurement whose
+    connections close before it is read."""
     total = 0.0
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -158,9 +161,11 @@ def postgres_cpu_seconds() -> float:
             with open(f"/proc/{entry}/comm") as f:
                 if not f.read().startswith("postgres"):
                     continue
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        total += proc_cpu_seconds(int(entry))
+        total += sum(int(x) for x in fields[11 : 15 if reaped else 13]) / CLK_TCK
     return total
 
 
