@@ -626,13 +626,10 @@ def _run_handlers(event: InboundEvent, token: uuid.UUID, release=None) -> str:
                 runs.append(_run_row(event, registration.name, started, "ok", elapsed * 1000))
             if not registrations:
                 runs.append(_run_row(event, "", started, "no_handler"))
-            HandlerRun.objects.bulk_create(runs)
             final = InboundState.PROCESSED if ran else InboundState.SKIPPED
-            if not _finish(event, token, state=final):
+            if not _complete(event, token, final, runs, release):
                 # The lease was lost (expired and taken over): undo, the owner applies it.
                 raise _LeaseLost
-            if release is not None:
-                entity_lock_release(key=release[0], owner=release[1])
     except _LeaseLost:
         return "lease_lost"
     except Exception as exc:
@@ -725,6 +722,60 @@ def _record_failure(event, token, started, exc) -> None:
             "error": error[:200],
         },
     )
+
+
+# A successful run's bookkeeping in one statement: the guarded transition out of
+# processing (for the lease holder only), the handler runs, and the entity lock given
+# back; the runs and the release only if the transition happened.
+_COMPLETE_SQL = """
+WITH done AS (
+    UPDATE ingest_inboundevent SET state = %(state)s, lease_until = NULL, lease_token = NULL,
+        last_error = '', processed_at = %(now)s
+    WHERE id = %(id)s AND state = 'processing' AND lease_token = %(token)s
+    RETURNING id
+), runs AS (
+    INSERT INTO ingest_handlerrun (event_id, handler, attempt, started_at, duration_ms,
+        outcome, error)
+    SELECT done.id, r.handler, %(attempt)s, %(started)s, r.duration_ms, r.outcome, ''
+    FROM done, unnest(%(handlers)s::text[], %(durations)s::float8[], %(outcomes)s::text[])
+        AS r(handler, duration_ms, outcome)
+), unlock AS (
+    DELETE FROM deliveries_entitylock
+    WHERE key = %(lock_key)s AND owner = %(lock_owner)s AND EXISTS (SELECT 1 FROM done)
+)
+SELECT count(*) FROM done
+"""
+
+
+def _complete(event, token, state, runs: list, release) -> bool:
+    """Record ``runs``, mark ``event`` ``state`` and give back the entity lock
+    ``release`` (key, owner), if the lease is still ours; False when it was lost."""
+    if connection.vendor != "postgresql":
+        HandlerRun.objects.bulk_create(runs)
+        if not _finish(event, token, state=state):
+            return False
+        if release is not None:
+            entity_lock_release(key=release[0], owner=release[1])
+        return True
+    key, owner = release if release is not None else ("", "")
+    with bound_cursor() as cursor:
+        cursor.execute(
+            _COMPLETE_SQL,
+            {
+                "state": state,
+                "now": timezone.now(),
+                "id": event.id,
+                "token": token,
+                "attempt": event.attempt_count,
+                "started": runs[0].started_at,
+                "handlers": [r.handler for r in runs],
+                "durations": [r.duration_ms for r in runs],
+                "outcomes": [r.outcome for r in runs],
+                "lock_key": key,
+                "lock_owner": owner,
+            },
+        )
+        return cursor.fetchone()[0] == 1
 
 
 def _finish(

@@ -13,12 +13,13 @@ from django.test import Client
 from django.utils import timezone
 
 from deliveries import services as delivery_services
+from deliveries.loops import relay_tick
 from deliveries.models import Delivery, EntityLock, Tenant
 from ingest import handlers
 from ingest.models import EntityVersion, HandlerRun, InboundEvent, VerificationFailure
 from ingest.schemes import get_scheme
 from ingest.services import source_create
-from tests.conftest import drain
+from tests.conftest import drain, run_workers
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -254,6 +255,43 @@ def test_an_entity_locked_elsewhere_waits_without_a_failure_then_is_applied(stri
     drain()
     event.refresh_from_db()
     assert event.state == "processed" and [a[0] for a in applied] == ["evt_9"]
+    assert not EntityLock.objects.exists()
+
+
+def test_a_run_whose_lease_was_taken_over_keeps_none_of_its_writes(stripe):
+    """The lease runs out while the handler works and another worker leases the event:
+    the run's commit must be refused, its writes (the handler's, the runs, the entity's
+    version) undone, and its entity lock given back."""
+
+    def take_over(event_id: str) -> None:
+        def other_worker() -> None:
+            try:
+                InboundEvent.objects.filter(event_id=event_id).update(lease_token=uuid.uuid4())
+            finally:
+                connection.close()
+
+        thread = threading.Thread(target=other_worker)
+        thread.start()
+        thread.join()
+
+    def slow_handler(e):
+        Tenant.objects.create(name="written by the handler")
+        take_over(e.event_id)
+
+    registration = handlers.Registration("stripe", "*", slow_handler)
+    handlers.REGISTRY.append(registration)
+    try:
+        post(stripe_event("evt_lost", obj="cus_lost"))
+        relay_tick()
+        run_workers()
+    finally:
+        handlers.REGISTRY.remove(registration)
+
+    event = InboundEvent.objects.get()
+    assert event.state == "processing"  # the other worker's now
+    assert not Tenant.objects.filter(name="written by the handler").exists()
+    assert not HandlerRun.objects.exists()
+    assert not EntityVersion.objects.exists()
     assert not EntityLock.objects.exists()
 
 
