@@ -50,10 +50,7 @@ def main() -> int:
     from ingest.models import InboundEvent, Source
     from ingest.services import LOCK_BUSY_RETRY, NewEvent, inbound_store_many, source_create
 
-    ob.sql(
-        "TRUNCATE ingest_handlerrun, ingest_entityversion, ingest_inboundevent, "
-        "deliveries_outbox, deliveries_queuemessage, deliveries_entitylock CASCADE"
-    )
+    ob.truncate_inbound()
     source = Source.objects.filter(slug="benchin").first() or source_create(
         slug="benchin", scheme="stripe", secrets=["whsec_bench_inbound"]
     )

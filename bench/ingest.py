@@ -68,7 +68,13 @@ ROOT = HERE.parent
 if sys.path and Path(sys.path[0] or ".").resolve() == HERE:
     sys.path[0] = str(ROOT)
 
-from bench.outbound import database_url, ensure_database, parse_env, with_db  # noqa: E402
+from bench.outbound import (  # noqa: E402
+    INBOUND_TABLES,
+    database_url,
+    ensure_database,
+    parse_env,
+    with_db,
+)
 
 RESULTS = HERE / "results"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -84,14 +90,6 @@ LABELS = {
     "ingest": "receive view (accepted)",
 }
 # Emptied before every step of the receive view (CASCADE reaches the rest).
-INGEST_TABLES = (
-    "ingest_inboundevent",
-    "ingest_handlerrun",
-    "ingest_entityversion",
-    "ingest_verificationfailure",
-    "deliveries_outbox",
-    "deliveries_queuemessage",
-)
 TARGET_RATIO = 0.5
 TARGET_P99_MS = 50.0
 SUSTAINED_SHARE = 0.95
@@ -212,7 +210,7 @@ class Database:
         return self.rows(query, params)[0][0]
 
     def truncate(self) -> None:
-        self.rows(f"TRUNCATE {', '.join(INGEST_TABLES)} CASCADE")
+        self.rows(f"TRUNCATE {', '.join(INBOUND_TABLES)} CASCADE")
 
     def backend_cpu(self) -> float:
         """CPU seconds of the servers' backends (their connections are persistent)."""

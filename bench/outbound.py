@@ -54,6 +54,17 @@ BODY_SIZE = 1024
 POLL_SECONDS = 0.2
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
+# Every table receiving and processing inbound events writes; emptied before each
+# inbound run (bench/ingest.py, run.py's inbound scenario, inbound_process.py).
+INBOUND_TABLES = (
+    "ingest_inboundevent",
+    "ingest_handlerrun",
+    "ingest_entityversion",
+    "ingest_verificationfailure",
+    "deliveries_outbox",
+    "deliveries_queuemessage",
+    "deliveries_entitylock",
+)
 # Every table the deliveries app writes; emptied before each service run.
 DELIVERY_TABLES = (
     "deliveries_attempt",
@@ -238,6 +249,10 @@ def sql(query: str, params: list | None = None) -> list[tuple]:
 
 def truncate() -> None:
     sql(f"TRUNCATE {', '.join(DELIVERY_TABLES)} RESTART IDENTITY CASCADE")
+
+
+def truncate_inbound() -> None:
+    sql(f"TRUNCATE {', '.join(INBOUND_TABLES)} CASCADE")
 
 
 # --- Payloads ------------------------------------------------------------------------

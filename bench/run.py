@@ -138,15 +138,17 @@ def run_peer(name: str, script: str, extra: list, n: int, ctx: dict) -> dict:
     return out
 
 
+def service_pipeline(env: dict) -> "ob.Pipeline":
+    """The service as every scenario runs it: one run_workers process per core, two
+    lanes each, batches of 500, the product's worker concurrency."""
+    return ob.Pipeline(
+        workers=os.cpu_count() or 1, lanes=2, batch_size=500, worker_concurrency=None, env=env
+    )
+
+
 def scenario_throughput(ctx: dict) -> dict:
     n, receiver = ctx["events"], ctx["receiver"]
-    pipeline = ob.Pipeline(
-        workers=os.cpu_count() or 1,
-        lanes=2,
-        batch_size=500,
-        worker_concurrency=None,
-        env=dict(SERVICE_ENV),
-    )
+    pipeline = service_pipeline(dict(SERVICE_ENV))
     systems: dict[str, list[dict]] = {}
 
     def add(name: str, run: dict) -> None:
@@ -238,13 +240,7 @@ def scenario_latency(ctx: dict) -> dict:
     from deliveries.models import Tenant
     from deliveries.services import endpoint_create
 
-    pipeline = ob.Pipeline(
-        workers=os.cpu_count() or 1,
-        lanes=2,
-        batch_size=500,
-        worker_concurrency=None,
-        env=dict(SERVICE_ENV),
-    )
+    pipeline = service_pipeline(dict(SERVICE_ENV))
     out: dict = {"rates": ctx["rates"], "seconds": ctx["latency_seconds"], "runs": {}}
     for i in range(ctx["repeat"]):
         ob.truncate()
@@ -354,21 +350,11 @@ def scenario_inbound(ctx: dict) -> dict:
     from ingest.services import source_create
 
     n = ctx["inbound_events"]
-    pipeline = ob.Pipeline(
-        workers=os.cpu_count() or 1,
-        lanes=2,
-        batch_size=500,
-        worker_concurrency=None,
-        env={"INGEST_HANDLER_MODULES": "bench.inbound_noop"},
-    )
+    pipeline = service_pipeline({"INGEST_HANDLER_MODULES": "bench.inbound_noop"})
     out: dict = {"events": n, "gunicorn_workers": ctx["gunicorn_workers"], "runs": []}
     for i in range(ctx["repeat"]):
         log(f"inbound {i + 1}/{ctx['repeat']}, N = {n:,}")
-        ob.sql(
-            "TRUNCATE ingest_handlerrun, ingest_entityversion, ingest_inboundevent, "
-            "ingest_verificationfailure, deliveries_outbox, deliveries_queuemessage, "
-            "deliveries_entitylock CASCADE"
-        )
+        ob.truncate_inbound()
         if not Source.objects.filter(slug=INBOUND_SLUG).exists():
             source_create(slug=INBOUND_SLUG, scheme="stripe", secrets=[INBOUND_SECRET])
         port = ob_free_port()
