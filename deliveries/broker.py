@@ -103,6 +103,10 @@ RETURNING id
 """
 
 
+# The ids travel as one array parameter (bound_cursor), not quoted one by one.
+_ACKNOWLEDGE_SQL = "DELETE FROM deliveries_queuemessage WHERE id = ANY(%s::bigint[])"
+
+
 class DatabaseBroker(Broker):
     """django-q2 broker on the service's database, with batch claims and batch acks."""
 
@@ -165,6 +169,10 @@ class DatabaseBroker(Broker):
         self.acknowledge_many([task_id])
 
     def acknowledge_many(self, task_ids: Sequence[int]) -> None:
+        if connection.vendor == "postgresql":
+            with bound_cursor() as cursor:
+                cursor.execute(_ACKNOWLEDGE_SQL, [list(task_ids)])
+            return
         QueueMessage.objects.filter(id__in=list(task_ids)).delete()
 
     def fail(self, task_id: int) -> None:

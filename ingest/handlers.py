@@ -7,9 +7,11 @@
         ...
 
 Patterns are shell-style (``"invoice.*"``, ``"*"``) on both the source slug and the event
-type. Handlers run in the worker, inside the transaction that marks the event processed,
-so their writes (and any ``publish_event`` they call) commit exactly when the event counts
-as processed: a crash rolls both back and the event is processed again.
+type. Handlers run in the worker, inside the transaction that marks the event processed
+(on PostgreSQL, with the rest of its batch), so their writes (and any ``publish_event``
+they call) commit exactly when the event counts as processed: a crash rolls both back and
+the event is processed again. A handler may run more than once for one event (a batch
+rolled back by another event's failure runs again one by one): make it idempotent.
 """
 
 from collections.abc import Callable

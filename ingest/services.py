@@ -10,6 +10,7 @@ kind ``inbound`` (``deliveries.jobs``); the retry schedule is the deliveries' po
 """
 
 import hashlib
+import json
 import logging
 import time
 import traceback
@@ -17,16 +18,24 @@ import uuid
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
+from typing import NamedTuple
 
 from django.conf import settings
 from django.core.cache import cache
-from django.db import IntegrityError, InterfaceError, OperationalError, connection, transaction
+from django.db import (
+    DatabaseError,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    connection,
+    transaction,
+)
 from django.db.models import F
 from django.utils import timezone
 
 from deliveries.broker import Message
-from deliveries.locks import entity_lock_acquire, entity_lock_release
+from deliveries.locks import entity_lock_acquire, entity_lock_release, entity_locks_acquire
 from deliveries.models import Outbox
 from deliveries.policy import RetryPolicy
 from deliveries.sql import bound_cursor
@@ -507,16 +516,112 @@ def inbound_schedule(now: datetime, page_size: int) -> tuple[Counter, bool]:
 
 
 def inbound_process(messages: Sequence[Message]) -> Counter:
-    """Lease the events named by the messages, then process each in its own
-    transaction. Stale copies of messages (another dispatch, already leased or done)
-    are skipped."""
+    """Lease the events named by the messages and process them. Stale copies of
+    messages (another dispatch, already leased or done) are skipped.
+
+    On PostgreSQL a batch is applied in one transaction (``_process_batch``): every
+    event's handlers, then one statement for all the bookkeeping. If a handler raises or
+    a lease was lost, that transaction is rolled back and each event of the batch runs
+    again in a transaction of its own (``_process_one``), the path SQLite always takes,
+    so one failing event costs the others a second run, never their result."""
     counts: Counter = Counter()
     now = timezone.now()
     token = uuid.uuid4()
     wanted = {m.job_id: m.dispatch for m in messages}
+    until = now + timedelta(seconds=LOCK_TTL + 30)
+    if connection.vendor == "postgresql":
+        rows = _lease_postgres(wanted, token=token, until=until)
+        counts["skipped_messages"] = len(messages) - len(rows)
+        leased = _process_batch(rows, token, counts) if rows else []
+    else:
+        leased = _lease_portable(wanted, token=token, until=until)
+        counts["skipped_messages"] = len(messages) - len(leased)
+    events = (
+        InboundEvent.objects.filter(id__in=leased)
+        .select_related("source")
+        .order_by(F("occurred_at").asc(nulls_first=True), "received_at")
+    )
+    for event in events if leased else ():
+        t0 = time.perf_counter()
+        result = _process_one(event, token)
+        counts[result] += 1
+        INBOUND_PROCESSED.labels(event.source.slug, result).inc()
+        _log_processed(
+            event.id, event.source.slug, event.event_id, event.event_type, event.attempt_count,
+            result, time.perf_counter() - t0,
+        )  # fmt: skip
+    return counts
+
+
+def _log_processed(event_id, slug, provider_id, event_type, attempt, result, seconds) -> None:
+    logger.debug(
+        "inbound processed",
+        extra={
+            "action": "inbound.process",
+            "job_type": KIND,
+            "inbound_id": str(event_id),
+            "source": slug,
+            "event_id": provider_id,
+            "event_type": event_type,
+            "attempt": attempt,
+            "outcome": result,
+            "duration_ms": round(seconds * 1000, 1),
+        },
+    )
+
+
+# enqueued → processing for the events the messages name (their dispatch only), in one
+# statement that returns what processing reads. Rows another worker is leasing are
+# skipped, not waited for.
+_LEASE_SQL = """
+WITH locked AS (
+    SELECT e.id FROM ingest_inboundevent e
+    JOIN unnest(%(ids)s::uuid[], %(dispatches)s::int[]) AS m(id, dispatch)
+        ON e.id = m.id AND e.dispatch_count = m.dispatch
+    WHERE e.state = 'enqueued'
+    FOR UPDATE OF e SKIP LOCKED
+)
+UPDATE ingest_inboundevent e SET state = 'processing', lease_token = %(token)s,
+    lease_until = %(until)s, attempt_count = e.attempt_count + 1
+FROM locked WHERE e.id = locked.id
+RETURNING e.id, e.source_id, e.event_id, e.event_type, e.entity_id, e.occurred_at, e.body,
+    e.headers, e.attempt_count
+"""
+
+
+class _Leased(NamedTuple):
+    id: uuid.UUID
+    source_id: uuid.UUID
+    event_id: str
+    event_type: str
+    entity_id: str
+    occurred_at: datetime | None
+    body: bytes
+    headers: dict
+    attempt: int
+
+
+def _lease_postgres(wanted: dict, *, token, until) -> list[_Leased]:
+    with transaction.atomic(), bound_cursor() as cursor:
+        cursor.execute(
+            _LEASE_SQL,
+            {
+                "ids": list(wanted),
+                "dispatches": list(wanted.values()),
+                "token": token,
+                "until": until,
+            },
+        )
+        return [
+            _Leased(*row[:7], row[7] if isinstance(row[7], dict) else json.loads(row[7]), row[8])
+            for row in cursor.fetchall()
+        ]
+
+
+def _lease_portable(wanted: dict, *, token, until) -> list[uuid.UUID]:
     with transaction.atomic():
-        rows = [
-            (event_id, dispatch)
+        leased = [
+            event_id
             for event_id, dispatch in InboundEvent.objects.filter(
                 id__in=wanted, state=InboundState.ENQUEUED
             )
@@ -524,34 +629,240 @@ def inbound_process(messages: Sequence[Message]) -> Counter:
             .values_list("id", "dispatch_count")
             if wanted[event_id] == dispatch
         ]
-        leased = [r[0] for r in rows]
         InboundEvent.objects.filter(id__in=leased, state=InboundState.ENQUEUED).update(
             state=InboundState.PROCESSING,
             lease_token=token,
-            lease_until=now + timedelta(seconds=LOCK_TTL + 30),
+            lease_until=until,
             attempt_count=F("attempt_count") + 1,
         )
-    counts["skipped_messages"] = len(messages) - len(leased)
-    for event in InboundEvent.objects.filter(id__in=leased).select_related("source"):
-        t0 = time.perf_counter()
-        result = _process_one(event, token)
-        counts[result] += 1
-        INBOUND_PROCESSED.labels(event.source.slug, result).inc()
+    return leased
+
+
+_EARLIEST = datetime.min.replace(tzinfo=UTC)
+
+
+def _process_batch(rows: list[_Leased], token: uuid.UUID, counts: Counter) -> list[uuid.UUID]:
+    """Apply a leased batch in one transaction; returns the ids left to process one by
+    one (all of them if the transaction was rolled back, none if it committed).
+
+    Entity locks are taken for the whole batch at once, before the transaction; events
+    whose entity another worker holds wait ``LOCK_BUSY_RETRY`` as on the one-by-one
+    path. Within the batch, events run in the order of their own time, so that an
+    entity's events arriving out of order in one batch are applied in order; an event
+    older than its entity's applied version is stale, exactly as one by one."""
+    sources = Source.objects.in_bulk({r.source_id for r in rows})
+    owner = str(token)
+    keys = {r.id: f"{sources[r.source_id].slug}:{r.entity_id}" for r in rows if r.entity_id}
+    if keys:
+        held = entity_locks_acquire(keys=keys.values(), owner=owner, ttl=LOCK_TTL)
+        busy = [event_id for event_id, key in keys.items() if key not in held]
+        if busy:
+            _finish_many(
+                busy,
+                token,
+                state=InboundState.PENDING,
+                delay=LOCK_BUSY_RETRY,
+                error="entity locked",
+                count_attempt=False,
+            )
+            waiting = set(busy)
+            for slug, n in Counter(
+                sources[r.source_id].slug for r in rows if r.id in waiting
+            ).items():
+                counts["entity_busy"] += n
+                INBOUND_PROCESSED.labels(slug, "entity_busy").inc(n)
+            rows = [r for r in rows if r.id not in waiting]
+    if not rows:
+        return []
+    rows.sort(key=lambda r: r.occurred_at or _EARLIEST)
+    try:
+        with transaction.atomic():
+            outcomes, observed = _apply_batch(rows, sources, keys, token)
+    except Exception as exc:
         logger.info(
-            "inbound processed",
+            "inbound batch rolled back, its events run one by one",
             extra={
-                "action": "inbound.process",
-                "job_type": KIND,
-                "inbound_id": str(event.id),
-                "source": event.source.slug,
-                "event_id": event.event_id,
-                "event_type": event.event_type,
-                "attempt": event.attempt_count,
-                "outcome": result,
-                "duration_ms": round((time.perf_counter() - t0) * 1000, 1),
+                "action": "inbound.batch_rolled_back",
+                "events": len(rows),
+                "error": type(exc).__name__,
             },
         )
-    return counts
+        if not isinstance(exc, _HandlerFailed):
+            return [r.id for r in rows]
+        # A handler raised: that run is this event's attempt, recorded as the one-by-one
+        # path would have. The batch's other events run again one by one.
+        failed = exc.row
+        INBOUND_HANDLER_DURATION.labels(exc.handler, "error").observe(exc.seconds)
+        event = InboundEvent(id=failed.id, attempt_count=failed.attempt)
+        _record_failure(event, token, exc.started, exc.__cause__)
+        if failed.id in keys:
+            entity_lock_release(key=keys[failed.id], owner=owner)
+        slug = sources[failed.source_id].slug
+        counts["failed"] += 1
+        INBOUND_PROCESSED.labels(slug, "failed").inc()
+        _log_processed(
+            failed.id, slug, failed.event_id, failed.event_type, failed.attempt, "failed",
+            exc.seconds,
+        )  # fmt: skip
+        return [r.id for r in rows if r.id != failed.id]
+    for name, seconds in observed:
+        INBOUND_HANDLER_DURATION.labels(name, "ok").observe(seconds)
+    by_label: Counter = Counter()
+    debug = logger.isEnabledFor(logging.DEBUG)
+    for r, result, seconds in outcomes:
+        slug = sources[r.source_id].slug
+        by_label[slug, result] += 1
+        if debug:
+            _log_processed(r.id, slug, r.event_id, r.event_type, r.attempt, result, seconds)
+    for (slug, result), n in by_label.items():
+        counts[result] += n
+        INBOUND_PROCESSED.labels(slug, result).inc(n)
+    return []
+
+
+def _apply_batch(rows: list[_Leased], sources: dict, keys: dict, token: uuid.UUID):
+    """Run the handlers of every event in ``rows`` and record them in one statement;
+    in the caller's transaction. Raises if a handler raises or a lease was lost."""
+    version_keys = sorted({keys[r.id] for r in rows if r.id in keys and r.occurred_at})
+    applied = _applied_versions(version_keys)
+    latest: dict[str, tuple[datetime, uuid.UUID]] = {}
+    schemes = {
+        i: get_scheme(source.scheme, source.options or None) for i, source in sources.items()
+    }
+    registered: dict[tuple[str, str], list] = {}
+    runs: list[tuple] = []
+    observed: list[tuple[str, float]] = []
+    outcomes: list[tuple[_Leased, str, float]] = []
+    states: list[str] = []
+    for r in rows:
+        t_event = time.perf_counter()
+        slug = sources[r.source_id].slug
+        request = Request(headers=r.headers, body=r.body)
+        parsed = ParsedEvent(
+            id=str(r.id),
+            source=slug,
+            event_id=r.event_id,
+            event_type=r.event_type,
+            entity_id=r.entity_id,
+            occurred_at=r.occurred_at,
+            payload=schemes[r.source_id].parse(request),
+            body=r.body,
+            headers=r.headers,
+            attempt=r.attempt,
+        )
+        stale = False
+        key = keys.get(r.id)
+        if key and r.occurred_at is not None:
+            if key in applied and r.occurred_at < applied[key]:
+                stale = True
+            else:
+                applied[key] = r.occurred_at
+                latest[key] = (r.occurred_at, r.id)
+        registrations = registered.get((slug, r.event_type))
+        if registrations is None:
+            registrations = registered[slug, r.event_type] = handlers_for(slug, r.event_type)
+        started = timezone.now()
+        ran = 0
+        for registration in registrations:
+            if stale and not registration.see_stale:
+                runs.append((r.id, registration.name, r.attempt, started, 0.0, "stale"))
+                continue
+            t0 = time.perf_counter()
+            try:
+                registration.func(parsed)
+            except DatabaseError:
+                # Perhaps caused by an earlier handler of the batch (a swallowed error
+                # leaves the transaction aborted): the one-by-one run tells.
+                raise
+            except Exception as exc:
+                raise _HandlerFailed(
+                    r, registration.name, started, time.perf_counter() - t0
+                ) from exc
+            elapsed = time.perf_counter() - t0
+            observed.append((registration.name, elapsed))
+            ran += 1
+            runs.append((r.id, registration.name, r.attempt, started, elapsed * 1000, "ok"))
+        if not registrations:
+            runs.append((r.id, "", r.attempt, started, 0.0, "no_handler"))
+        final = InboundState.PROCESSED if ran else InboundState.SKIPPED
+        states.append(final)
+        outcomes.append((r, "stale" if stale else final, time.perf_counter() - t_event))
+    _complete_batch(rows, states, runs, latest, sorted(set(keys.values())), token)
+    return outcomes, observed
+
+
+def _applied_versions(version_keys: list[str]) -> dict[str, datetime]:
+    """The applied version of each key, its row locked to the end of the transaction
+    (the entity locks already keep other workers off these keys)."""
+    if not version_keys:
+        return {}
+    with bound_cursor() as cursor:
+        cursor.execute(
+            "SELECT key, applied_at FROM ingest_entityversion WHERE key = ANY(%(keys)s::text[])"
+            " ORDER BY key FOR UPDATE",
+            {"keys": version_keys},
+        )
+        return dict(cursor.fetchall())
+
+
+# A committed batch's bookkeeping in one statement: the guarded transitions out of
+# processing (for the lease holder only), every handler run, each entity's version moved
+# to its latest applied event, and the batch's entity locks given back. The caller
+# rolls the whole transaction back unless every event's transition happened.
+_COMPLETE_BATCH_SQL = """
+WITH done AS (
+    UPDATE ingest_inboundevent e SET state = d.state, lease_until = NULL, lease_token = NULL,
+        last_error = '', processed_at = %(now)s
+    FROM unnest(%(ids)s::uuid[], %(states)s::text[]) AS d(id, state)
+    WHERE e.id = d.id AND e.state = 'processing' AND e.lease_token = %(token)s
+    RETURNING e.id
+), runs AS (
+    INSERT INTO ingest_handlerrun (event_id, handler, attempt, started_at, duration_ms,
+        outcome, error)
+    SELECT r.*, '' FROM unnest(%(run_events)s::uuid[], %(run_handlers)s::text[],
+        %(run_attempts)s::int[], %(run_started)s::timestamptz[], %(run_durations)s::float8[],
+        %(run_outcomes)s::text[]) AS r
+), versions AS (
+    INSERT INTO ingest_entityversion (key, applied_at, event_id)
+    SELECT * FROM unnest(%(version_keys)s::text[], %(version_times)s::timestamptz[],
+        %(version_events)s::uuid[])
+    ON CONFLICT (key) DO UPDATE SET applied_at = EXCLUDED.applied_at,
+        event_id = EXCLUDED.event_id
+    WHERE ingest_entityversion.applied_at <= EXCLUDED.applied_at
+), unlock AS (
+    DELETE FROM deliveries_entitylock WHERE key = ANY(%(lock_keys)s::text[])
+        AND owner = %(owner)s
+)
+SELECT count(*) FROM done
+"""
+
+
+def _complete_batch(rows, states, runs, latest, lock_keys, token) -> None:
+    columns = list(zip(*runs, strict=True))  # every event has at least one run row
+    versions = sorted(latest.items())
+    with bound_cursor() as cursor:
+        cursor.execute(
+            _COMPLETE_BATCH_SQL,
+            {
+                "now": timezone.now(),
+                "ids": [r.id for r in rows],
+                "states": states,
+                "token": token,
+                "run_events": list(columns[0]),
+                "run_handlers": list(columns[1]),
+                "run_attempts": list(columns[2]),
+                "run_started": list(columns[3]),
+                "run_durations": list(columns[4]),
+                "run_outcomes": list(columns[5]),
+                "version_keys": [k for k, _ in versions],
+                "version_times": [v[0] for _, v in versions],
+                "version_events": [v[1] for _, v in versions],
+                "lock_keys": lock_keys,
+                "owner": str(token),
+            },
+        )
+        if cursor.fetchone()[0] != len(rows):
+            raise _LeaseLost
 
 
 def _process_one(event: InboundEvent, token: uuid.UUID) -> str:
@@ -640,6 +951,14 @@ def _run_handlers(event: InboundEvent, token: uuid.UUID, release=None) -> str:
 
 class _LeaseLost(Exception):
     pass
+
+
+class _HandlerFailed(Exception):
+    """A handler raised (the ``__cause__``) on ``row``, in a batch."""
+
+    def __init__(self, row: _Leased, handler: str, started: datetime, seconds: float) -> None:
+        super().__init__(handler)
+        self.row, self.handler, self.started, self.seconds = row, handler, started, seconds
 
 
 # The entity's version moves to this event unless a newer one was applied already, and
@@ -782,6 +1101,16 @@ def _finish(
     event, token, *, state, delay: float = 0.0, error: str = "", count_attempt: bool = True
 ) -> bool:
     """The guarded transition out of ``processing``, for the lease holder only."""
+    return bool(
+        _finish_many(
+            [event.id], token, state=state, delay=delay, error=error, count_attempt=count_attempt
+        )
+    )
+
+
+def _finish_many(
+    ids, token, *, state, delay: float = 0.0, error: str = "", count_attempt: bool = True
+) -> int:
     now = timezone.now()
     fields = {"state": state, "lease_until": None, "lease_token": None, "last_error": error}
     if state == InboundState.PENDING:
@@ -790,11 +1119,9 @@ def _finish(
             fields["attempt_count"] = F("attempt_count") - 1
     else:
         fields["processed_at"] = now
-    return bool(
-        InboundEvent.objects.filter(
-            id=event.id, state=InboundState.PROCESSING, lease_token=token
-        ).update(**fields)
-    )
+    return InboundEvent.objects.filter(
+        id__in=ids, state=InboundState.PROCESSING, lease_token=token
+    ).update(**fields)
 
 
 def inbound_reprocess(*, event_ids: Sequence[uuid.UUID], actor=None) -> int:

@@ -1,5 +1,6 @@
 """Receiving and processing inbound webhooks, on PostgreSQL with the real pipeline."""
 
+import contextlib
 import hmac
 import json
 import threading
@@ -8,7 +9,7 @@ import uuid
 from collections import Counter
 
 import pytest
-from django.db import connection
+from django.db import DatabaseError, connection
 from django.test import Client
 from django.utils import timezone
 
@@ -496,3 +497,140 @@ def test_a_connection_the_server_dropped_costs_no_failed_request(stripe):
         "evt_before",
         "evt_after",
     }
+
+
+# --- Batches: on PostgreSQL a worker applies a leased batch in one transaction --------
+
+
+def _batch_of(*events: tuple[str, int, str]) -> None:
+    """Receive (event id, created, entity) each, then process them as one batch."""
+    for event_id, created, obj in events:
+        assert post(stripe_event(event_id, "customer.updated", created, obj)).status_code == 200
+    relay_tick()
+    counts = run_workers(lanes=1)
+    assert counts.get("inbound.skipped_messages", 0) == 0
+
+
+def _states() -> dict[str, str]:
+    return dict(InboundEvent.objects.values_list("event_id", "state"))
+
+
+def test_a_batch_applies_an_entitys_events_in_their_own_order(stripe, applied):
+    t0 = int(time.time()) - 600
+    EntityVersion.objects.create(key="stripe:cus_2", applied_at=timezone.now())
+    _batch_of(
+        ("evt_c", t0 + 20, "cus_1"),
+        ("evt_a", t0, "cus_1"),
+        ("evt_old", t0, "cus_2"),  # older than cus_2's applied version: stale
+        ("evt_b", t0 + 10, "cus_1"),
+    )
+    assert [a[0] for a in applied] == ["evt_a", "evt_b", "evt_c"]
+    assert _states() == {
+        "evt_a": "processed",
+        "evt_b": "processed",
+        "evt_c": "processed",
+        "evt_old": "skipped",
+    }
+    runs = list(HandlerRun.objects.values_list("event__event_id", "outcome", "attempt"))
+    assert sorted(runs) == [
+        ("evt_a", "ok", 1),
+        ("evt_b", "ok", 1),
+        ("evt_c", "ok", 1),
+        ("evt_old", "stale", 1),
+    ]
+    assert EntityVersion.objects.get(key="stripe:cus_1").event.event_id == "evt_c"
+    assert not EntityLock.objects.exists()
+
+
+def test_one_failing_event_costs_the_others_a_second_run_never_their_result(stripe, settings):
+    """The handler raises on evt_2: that run is evt_2's recorded attempt; the batch's
+    transaction is undone and the other events run again one by one, so each ends
+    processed with one run on record (the undone batch left none)."""
+    settings.DELIVERY_RETRY_SCHEDULE = [60]
+    calls: list[str] = []
+
+    def picky(e):
+        calls.append(e.event_id)
+        Tenant.objects.create(name=f"effect of {e.event_id}")
+        if e.event_id == "evt_2":
+            raise RuntimeError("cannot apply evt_2")
+
+    registration = handlers.Registration("stripe", "*", picky)
+    handlers.REGISTRY.append(registration)
+    try:
+        t0 = int(time.time()) - 600
+        _batch_of(*[(f"evt_{i}", t0 + i, f"cus_{i}") for i in range(1, 5)])
+    finally:
+        handlers.REGISTRY.remove(registration)
+
+    # In the batch: evt_1, then evt_2 raised. One by one: evt_1, evt_3, evt_4.
+    assert calls == ["evt_1", "evt_2", "evt_1", "evt_3", "evt_4"]
+    assert _states() == {
+        "evt_1": "processed",
+        "evt_2": "pending",
+        "evt_3": "processed",
+        "evt_4": "processed",
+    }
+    failed = InboundEvent.objects.get(event_id="evt_2")
+    assert failed.attempt_count == 1 and "RuntimeError: cannot apply evt_2" in failed.last_error
+    runs = sorted(HandlerRun.objects.values_list("event__event_id", "outcome"))
+    assert runs == [("evt_1", "ok"), ("evt_2", "error"), ("evt_3", "ok"), ("evt_4", "ok")]
+    effects = sorted(Tenant.objects.values_list("name", flat=True))
+    assert effects == ["effect of evt_1", "effect of evt_3", "effect of evt_4"]
+    assert not EntityLock.objects.exists()
+    assert set(EntityVersion.objects.values_list("key", flat=True)) == {
+        "stripe:cus_1",
+        "stripe:cus_3",
+        "stripe:cus_4",
+    }
+
+
+def test_an_error_a_handler_swallowed_is_blamed_on_its_own_event(stripe):
+    """evt_1's handler swallows a database error and leaves the transaction aborted;
+    evt_2's handler then fails on the aborted transaction. One by one, each event in a
+    transaction of its own, the blame lands on evt_1 alone."""
+
+    def careless(e):
+        if e.event_id == "evt_1":
+            # Swallowed: the transaction is now aborted.
+            with contextlib.suppress(DatabaseError), connection.cursor() as cursor:
+                cursor.execute("SELECT 1/0")
+        else:
+            Tenant.objects.create(name=f"effect of {e.event_id}")
+
+    registration = handlers.Registration("stripe", "*", careless)
+    handlers.REGISTRY.append(registration)
+    try:
+        t0 = int(time.time()) - 600
+        _batch_of(("evt_1", t0, "cus_1"), ("evt_2", t0 + 1, "cus_2"))
+    finally:
+        handlers.REGISTRY.remove(registration)
+
+    assert _states() == {"evt_1": "pending", "evt_2": "processed"}
+    assert list(Tenant.objects.values_list("name", flat=True)) == ["effect of evt_2"]
+    assert not EntityLock.objects.exists()
+
+
+def test_in_a_batch_only_the_events_of_a_busy_entity_wait(stripe, applied):
+    EntityLock.objects.create(
+        key="stripe:cus_9",
+        owner="another worker",
+        expires_at=timezone.now() + timezone.timedelta(seconds=60),
+    )
+    t0 = int(time.time()) - 600
+    _batch_of(("evt_9", t0, "cus_9"), ("evt_8", t0 + 1, "cus_8"), ("evt_7", t0 + 2, "cus_9"))
+    states = {
+        e: (s, err, n)
+        for e, s, err, n in InboundEvent.objects.values_list(
+            "event_id", "state", "last_error", "attempt_count"
+        )
+    }
+    assert states == {
+        "evt_9": ("pending", "entity locked", 0),
+        "evt_8": ("processed", "", 1),
+        "evt_7": ("pending", "entity locked", 0),
+    }
+    assert [a[0] for a in applied] == ["evt_8"]
+    assert list(EntityLock.objects.values_list("key", "owner")) == [
+        ("stripe:cus_9", "another worker")
+    ]
