@@ -239,9 +239,11 @@ WITH base AS MATERIALIZED (
     RETURNING 1
 )
 INSERT INTO deliveries_attempt (
-    delivery_id, number, started_at, duration_ms, status_code, outcome, error_kind, error,
-    ambiguous, response_body, response_truncated, request_headers, recorded, worker)
-SELECT id, n, started, 20 + 400 * {_u("k * 16 + n", 10)},
+    delivery_id, endpoint_id, number, started_at, duration_ms, status_code, outcome,
+    error_kind, error, ambiguous, response_body, response_truncated, request_headers,
+    recorded, worker)
+SELECT id, md5('endpoint' || (t * %(per_tenant)s + j))::uuid, n, started,
+       20 + 400 * {_u("k * 16 + n", 10)},
        CASE WHEN final THEN last_status_code ELSE 503 END, outcome,
        CASE WHEN outcome = 'blocked' THEN 'blocked'
             WHEN outcome = 'retry' AND final AND last_status_code IS NULL THEN 'timeout'

@@ -479,9 +479,9 @@ class EndpointAdmin(admin.ModelAdmin):
         ids = [e.id for e in changelist.result_list]
         since = timezone.now() - timedelta(hours=24)
         stats = {
-            row["delivery__endpoint_id"]: row
-            for row in Attempt.objects.filter(started_at__gte=since, delivery__endpoint_id__in=ids)
-            .values("delivery__endpoint_id")
+            row["endpoint_id"]: row
+            for row in Attempt.objects.filter(endpoint_id__in=ids, started_at__gte=since)
+            .values("endpoint_id")
             .annotate(
                 total=Count("id"),
                 ok=Count("id", filter=Q(outcome="success")),

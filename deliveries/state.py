@@ -765,6 +765,7 @@ def _finish_failures(failures, now, policy, summary) -> tuple[set, set, set]:
 
 _ATTEMPT_COLUMNS = (
     "delivery_id",
+    "endpoint_id",
     "number",
     "started_at",
     "duration_ms",
@@ -784,6 +785,7 @@ _ATTEMPT_COLUMNS = (
 def _attempt_row(r: AttemptResult, held: set) -> tuple:
     return (
         r.leased.id,
+        r.leased.endpoint_id,
         r.leased.attempt_number,
         r.started_at,
         r.duration_ms,
@@ -813,7 +815,7 @@ def _append_attempts(results: Sequence[AttemptResult], held: set) -> None:
             ) as copy,
         ):
             for row in rows:
-                copy.write_row((*row[:11], Jsonb(row[11]), *row[12:]))
+                copy.write_row((*row[:12], Jsonb(row[12]), *row[13:]))
         return
     Attempt.objects.bulk_create(
         [Attempt(**dict(zip(_ATTEMPT_COLUMNS, row, strict=True))) for row in rows]

@@ -2,6 +2,7 @@
 
 import pytest
 from django.contrib.auth.models import Permission, User
+from django.db.models import Count
 from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
@@ -143,3 +144,44 @@ def test_the_paginator_counts_at_most_the_cap(data, monkeypatch):
     assert (
         CappedCountPaginator(Delivery.objects.filter(state="pending").order_by("id"), 50).count == 0
     )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_endpoint_health_counts_each_endpoints_attempts_of_the_last_24_hours(settings):
+    """Real attempts through the worker: each endpoint's health counts its own attempts
+    (endpoint_id on the attempt, read by attempt_endpoint_started) and none older than
+    24 hours."""
+    from datetime import timedelta
+
+    from deliveries.models import Attempt
+    from tests.conftest import drain, make_due
+    from tests.receiver import Receiver, fail_first
+
+    settings.EGRESS_ALLOW_NETWORKS = ["127.0.0.0/8"]
+    settings.DELIVERY_RETRY_SCHEDULE = [1]
+    receiver = Receiver().start()
+    try:
+        receiver.behaviours["/flaky"] = fail_first(1)
+        tenant = Tenant.objects.create(name="acme")
+        ok, _ = services.endpoint_create(tenant=tenant, url=receiver.url("/ok"))
+        flaky, _ = services.endpoint_create(tenant=tenant, url=receiver.url("/flaky"))
+        services.publish_event(tenant=tenant, event_type="a.b", payload={}, endpoint_ids=[ok.id])
+        services.publish_event(tenant=tenant, event_type="a.b", payload={}, endpoint_ids=[flaky.id])
+        drain()
+        make_due()
+        drain()
+    finally:
+        receiver.stop()
+    assert dict(Attempt.objects.values_list("endpoint_id").annotate(n=Count("id"))) == {
+        ok.id: 1,
+        flaky.id: 2,
+    }
+    old = Attempt.objects.filter(endpoint=ok).get()
+    old.pk, old.number = None, 9
+    old.started_at = timezone.now() - timedelta(hours=25)
+    old.save()
+
+    page = staff().get("/admin/deliveries/endpoint/")
+    assert page.status_code == 200
+    assert b"100.0% of 1" in page.content  # ok: the 25-hour-old attempt is left out
+    assert b"50.0% of 2" in page.content  # flaky: a 500, then a 200
