@@ -86,6 +86,9 @@ if env.str("DATABASE_URL", default=""):
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = env.bool(
         "DATABASE_CONN_HEALTH_CHECKS", default=True
     )
+else:
+    DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": SQLITE_PATH}}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     # The hot path's statements (deliveries.sql.bound_cursor: claim, lease, record, the
     # inbound insert) are prepared on a connection after this many runs, so PostgreSQL
     # stops parsing and planning them every time. The ORM's client-side-binding cursors
@@ -95,24 +98,21 @@ if env.str("DATABASE_URL", default=""):
     DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
         "prepare_threshold", _prepare if _prepare > 0 else None
     )
-else:
-    Path(SQLITE_PATH).parent.mkdir(parents=True, exist_ok=True)
-    DATABASES = {
-        "default": {
-            "ENGINE": "django.db.backends.sqlite3",
-            "NAME": SQLITE_PATH,
-            "OPTIONS": {
-                "timeout": 30,
-                "transaction_mode": "IMMEDIATE",
-                "init_command": (
-                    "PRAGMA journal_mode=WAL;"
-                    "PRAGMA synchronous=NORMAL;"
-                    "PRAGMA busy_timeout=30000;"
-                    "PRAGMA foreign_keys=ON;"
-                ),
-            },
+elif DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # The embedded default, or a DATABASE_URL of sqlite:///path: the same settings.
+    Path(DATABASES["default"]["NAME"]).parent.mkdir(parents=True, exist_ok=True)
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        {
+            "timeout": 30,
+            "transaction_mode": "IMMEDIATE",
+            "init_command": (
+                "PRAGMA journal_mode=WAL;"
+                "PRAGMA synchronous=NORMAL;"
+                "PRAGMA busy_timeout=30000;"
+                "PRAGMA foreign_keys=ON;"
+            ),
         }
-    }
+    )
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

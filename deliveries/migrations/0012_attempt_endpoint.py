@@ -22,25 +22,27 @@ OLD = models.Index(fields=["started_at"], name="attempt_started")
 BATCH = 5000
 
 
-def _concurrently(schema_editor) -> bool:
-    return schema_editor.connection.vendor == "postgresql"
+def _create(index: models.Index, columns: str):
+    def create(apps, schema_editor):
+        if schema_editor.connection.vendor == "postgresql":
+            schema_editor.execute(
+                f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {index.name}"
+                f" ON deliveries_attempt ({columns})"
+            )
+        else:
+            schema_editor.add_index(apps.get_model("deliveries", "Attempt"), index)
+
+    return create
 
 
-def create_new(apps, schema_editor):
-    if _concurrently(schema_editor):
-        schema_editor.execute(
-            "CREATE INDEX CONCURRENTLY IF NOT EXISTS attempt_endpoint_started"
-            " ON deliveries_attempt (endpoint_id, started_at)"
-        )
-    else:
-        schema_editor.add_index(apps.get_model("deliveries", "Attempt"), NEW)
+def _drop(index: models.Index):
+    def drop(apps, schema_editor):
+        if schema_editor.connection.vendor == "postgresql":
+            schema_editor.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {index.name}")
+        else:
+            schema_editor.remove_index(apps.get_model("deliveries", "Attempt"), index)
 
-
-def drop_new(apps, schema_editor):
-    if _concurrently(schema_editor):
-        schema_editor.execute("DROP INDEX CONCURRENTLY IF EXISTS attempt_endpoint_started")
-    else:
-        schema_editor.remove_index(apps.get_model("deliveries", "Attempt"), NEW)
+    return drop
 
 
 def fill_recent(apps, schema_editor):
@@ -59,23 +61,6 @@ def fill_recent(apps, schema_editor):
         if not ids:
             return
         Attempt.objects.filter(id__in=ids).update(endpoint_id=endpoint)
-
-
-def drop_old(apps, schema_editor):
-    if _concurrently(schema_editor):
-        schema_editor.execute("DROP INDEX CONCURRENTLY IF EXISTS attempt_started")
-    else:
-        schema_editor.remove_index(apps.get_model("deliveries", "Attempt"), OLD)
-
-
-def create_old(apps, schema_editor):
-    if _concurrently(schema_editor):
-        schema_editor.execute(
-            "CREATE INDEX CONCURRENTLY IF NOT EXISTS attempt_started"
-            " ON deliveries_attempt (started_at)"
-        )
-    else:
-        schema_editor.add_index(apps.get_model("deliveries", "Attempt"), OLD)
 
 
 class Migration(migrations.Migration):
@@ -97,11 +82,15 @@ class Migration(migrations.Migration):
         ),
         migrations.SeparateDatabaseAndState(
             state_operations=[migrations.AddIndex(model_name="attempt", index=NEW)],
-            database_operations=[migrations.RunPython(create_new, drop_new, elidable=False)],
+            database_operations=[migrations.RunPython(
+                    _create(NEW, "endpoint_id, started_at"), _drop(NEW), elidable=False
+                )],
         ),
         migrations.RunPython(fill_recent, migrations.RunPython.noop, elidable=True),
         migrations.SeparateDatabaseAndState(
             state_operations=[migrations.RemoveIndex(model_name="attempt", name="attempt_started")],
-            database_operations=[migrations.RunPython(drop_old, create_old, elidable=False)],
+            database_operations=[migrations.RunPython(
+                    _drop(OLD), _create(OLD, "started_at"), elidable=False
+                )],
         ),
     ]
