@@ -771,7 +771,8 @@ def markdown(result: dict) -> str:
         when = result["scenarios"].get(key, {}).get("measured") if key else None
         if when:
             lines[i] = (
-                f"{line}\n\nMeasured {when['at']}, {when['repeat']} repeat(s); load average "
+                f"{line}\n\nMeasured {when['at']}, "
+                f"{when.get('runs', str(when['repeat']) + ' repeat(s)')}; load average "
                 f"{when['load_average_before']} before, {when['load_average_after']} after."
             )
     adm = result.get("admin_reference")
@@ -1020,6 +1021,11 @@ def main(argv: list[str] | None = None) -> int:
                 "load_average_before": load,
                 "load_average_after": [round(x, 2) for x in os.getloadavg()],
                 "repeat": ctx["repeat"],
+                # Growth does not repeat: each size is seeded once and measured
+                # growth_passes times.
+                "runs": f"{ctx['growth_passes']} runs of each measure at each size"
+                if name == "growth"
+                else f"{ctx['repeat']} repeat(s)",
             }
             md_text = write()
     except ob.BenchError as exc:
