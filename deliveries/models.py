@@ -247,6 +247,14 @@ class Delivery(models.Model):
                 condition=Q(state="pending"),
                 name="delivery_due",
             ),
+            # The same rows by endpoint: the scheduler's claim when some endpoints are
+            # at their ceilings, which reads each other endpoint's first rows instead of
+            # reading past every row the full ones cannot take (deliveries.state).
+            models.Index(
+                fields=["endpoint", "-priority", "next_attempt_at"],
+                condition=Q(state="pending"),
+                name="delivery_due_endpoint",
+            ),
             # Admission control and the lease/transport sweeps: rows in flight.
             models.Index(
                 fields=["tenant", "endpoint"],

@@ -227,18 +227,70 @@ SELECT tenant_id::text, endpoint_id::text, count(*) FROM deliveries_delivery
 WHERE state IN ('enqueued', 'leased') GROUP BY 1, 2
 """
 
-# Due rows, highest priority and oldest first, leaving out saturated tenants and
-# endpoints. Uses the partial index delivery_due. No row locks: the admission lock
-# serialises schedulers, and the UPDATE in _enqueue re-checks the state, so a row that
-# changed since (cancelled, say) is skipped. (Locking the scan would write the header of
-# every scanned tuple, rows held back included.)
+# Due rows, highest priority and oldest first. Uses the partial index delivery_due. No
+# row locks: the admission lock serialises schedulers, and the UPDATE in _enqueue
+# re-checks the state, so a row that changed since (cancelled, say) is skipped. (Locking
+# the scan would write the header of every scanned tuple, rows held back included.)
 _SCAN_DUE_SQL = """
 SELECT id::text, tenant_id::text, endpoint_id::text, priority FROM deliveries_delivery
 WHERE state = 'pending' AND next_attempt_at <= %(now)s
-    AND tenant_id <> ALL(%(tenants)s::uuid[]) AND endpoint_id <> ALL(%(endpoints)s::uuid[])
 ORDER BY priority DESC, next_attempt_at
 LIMIT %(limit)s
 """
+
+# The same, leaving out saturated tenants and endpoints, over a bounded window of the due
+# rows (delivery_due): the rows of the first ``window`` due rows that are not left out,
+# and how many rows the window held. Most passes end here.
+_SCAN_DUE_WINDOW_SQL = """
+WITH w AS MATERIALIZED (
+    SELECT id, tenant_id, endpoint_id, priority, next_attempt_at FROM deliveries_delivery
+    WHERE state = 'pending' AND next_attempt_at <= %(now)s
+    ORDER BY priority DESC, next_attempt_at
+    LIMIT %(window)s
+), picked AS (
+    SELECT * FROM w
+    WHERE tenant_id <> ALL(%(tenants)s::uuid[]) AND endpoint_id <> ALL(%(endpoints)s::uuid[])
+    ORDER BY priority DESC, next_attempt_at
+    LIMIT %(limit)s
+)
+SELECT p.id::text, p.tenant_id::text, p.endpoint_id::text, p.priority, n.total
+FROM (SELECT count(*) AS total FROM w) n LEFT JOIN picked p ON true
+ORDER BY p.priority DESC, p.next_attempt_at
+"""
+
+# When the window was all rows left out (one hot endpoint's backlog, say): the same
+# answer by endpoint, so that no row of a saturated endpoint is read. A skip scan over
+# delivery_due_endpoint finds each endpoint with pending rows (one index probe each),
+# then each endpoint not left out, whose tenant is not left out either (a delivery's
+# tenant is its endpoint's), gives its first due rows; the best of those are the answer.
+_SCAN_DUE_BY_ENDPOINT_SQL = """
+WITH RECURSIVE endpoints AS (
+    (SELECT endpoint_id FROM deliveries_delivery WHERE state = 'pending'
+     ORDER BY endpoint_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT d.endpoint_id FROM deliveries_delivery d
+            WHERE d.state = 'pending' AND d.endpoint_id > e.endpoint_id
+            ORDER BY d.endpoint_id LIMIT 1)
+    FROM endpoints e WHERE e.endpoint_id IS NOT NULL
+)
+SELECT r.id::text, r.tenant_id::text, r.endpoint_id::text, r.priority
+FROM endpoints e
+JOIN deliveries_endpoint ep ON ep.id = e.endpoint_id
+CROSS JOIN LATERAL (
+    SELECT d.id, d.tenant_id, d.endpoint_id, d.priority, d.next_attempt_at
+    FROM deliveries_delivery d
+    WHERE d.state = 'pending' AND d.endpoint_id = e.endpoint_id
+        AND d.next_attempt_at <= %(now)s
+    ORDER BY d.priority DESC, d.next_attempt_at
+    LIMIT %(limit)s
+) r
+WHERE e.endpoint_id <> ALL(%(endpoints)s::uuid[]) AND ep.tenant_id <> ALL(%(tenants)s::uuid[])
+ORDER BY r.priority DESC, r.next_attempt_at
+LIMIT %(limit)s
+"""
+
+# The window is this many times the rows asked for.
+SCAN_WINDOW = 4
 
 
 def _in_flight() -> list[tuple[str, str, int]]:
@@ -257,12 +309,21 @@ def _in_flight() -> list[tuple[str, str, int]]:
 
 
 def _scan_due(now, tenants: list[str], endpoints: list[str], limit: int) -> list[tuple]:
+    """Up to ``limit`` due rows (id, tenant, endpoint, priority), highest priority and
+    oldest first, of tenants and endpoints not in ``tenants`` and ``endpoints``."""
     if connection.vendor == "postgresql":
+        params = {"now": now, "tenants": tenants, "endpoints": endpoints, "limit": limit}
         with bound_cursor() as cursor:
-            cursor.execute(
-                _SCAN_DUE_SQL,
-                {"now": now, "tenants": tenants, "endpoints": endpoints, "limit": limit},
-            )
+            if not tenants and not endpoints:
+                cursor.execute(_SCAN_DUE_SQL, params)
+                return cursor.fetchall()
+            window = SCAN_WINDOW * limit
+            cursor.execute(_SCAN_DUE_WINDOW_SQL, {**params, "window": window})
+            found = cursor.fetchall()
+            rows = [r[:4] for r in found if r[0] is not None]
+            if len(rows) == limit or found[0][4] < window:
+                return rows  # enough, or the window held every due row
+            cursor.execute(_SCAN_DUE_BY_ENDPOINT_SQL, params)
             return cursor.fetchall()
     candidates = Delivery.objects.filter(state=PENDING, next_attempt_at__lte=now)
     if tenants:

@@ -110,3 +110,60 @@ def test_rows_an_endpoint_at_its_ceiling_cannot_take_are_read_once_per_pass():
     assert first.held_back == state.ADMISSION_CHUNK - 10
     # While it stays full, a pass reads none of its rows.
     assert admit(page=1000).held_back == 0
+
+
+def _reference_scan(now, tenants, endpoints, limit):
+    """The admission scan's meaning, as one ORM query (the SQLite path's)."""
+    rows = (
+        Delivery.objects.filter(state="pending", next_attempt_at__lte=now)
+        .exclude(tenant_id__in=tenants)
+        .exclude(endpoint_id__in=endpoints)
+        .order_by("-priority", "next_attempt_at")
+        .values_list("id", "tenant_id", "endpoint_id", "priority")[:limit]
+    )
+    return [(str(i), str(t), str(e), p) for i, t, e, p in rows]
+
+
+def test_the_scan_by_window_and_by_endpoint_gives_the_one_answer():
+    """On PostgreSQL a scan that leaves tenants or endpoints out reads a window of the
+    due rows, then, if that window was all rows left out, reads by endpoint. Whichever
+    way, the rows are the reference query's, in its order."""
+    import random
+    from datetime import timedelta
+
+    rng = random.Random(7)
+    now = timezone.now()
+    tenants = [Tenant.objects.create(name=f"t{i}") for i in range(3)]
+    endpoints = []
+    for i, tenant in enumerate(tenants * 2):  # two endpoints per tenant
+        endpoint, _ = services.endpoint_create(tenant=tenant, url=f"http://127.0.0.1:9/{i}")
+        endpoints.append(endpoint)
+    # One hot endpoint with most of the backlog, the others a few rows each; some
+    # priorities, some rows not yet due.
+    for n, endpoint in zip([300, 5, 3, 8, 1, 0], endpoints, strict=True):
+        for _ in range(n):
+            services.publish_event(
+                tenant=endpoint.tenant,
+                event_type="t",
+                payload={},
+                endpoint_ids=[endpoint.id],
+                priority=rng.choice([0, 0, 0, 5]),
+            )
+    for k, d in enumerate(Delivery.objects.all()):  # distinct times: one right order
+        d.next_attempt_at = now + timedelta(seconds=rng.randint(-3600, 60), microseconds=k)
+        d.save(update_fields=["next_attempt_at"])
+
+    hot, hot_tenant = str(endpoints[0].id), str(tenants[0].id)
+    cases = [
+        ([], [], 10),
+        ([], [hot], 4),  # the window is all the hot endpoint's: read by endpoint
+        ([], [hot], 20),
+        ([hot_tenant], [], 6),
+        ([hot_tenant], [str(endpoints[2].id)], 50),
+        ([str(t.id) for t in tenants], [], 10),  # nothing left
+        ([], [str(e.id) for e in endpoints[1:]], 10),
+    ]
+    for left_out_tenants, left_out_endpoints, limit in cases:
+        got = state._scan_due(now, left_out_tenants, left_out_endpoints, limit)
+        want = _reference_scan(now, left_out_tenants, left_out_endpoints, limit)
+        assert got == want, (left_out_tenants, left_out_endpoints, limit)
