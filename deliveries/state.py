@@ -263,6 +263,8 @@ ORDER BY p.priority DESC, p.next_attempt_at
 # delivery_due_endpoint finds each endpoint with pending rows (one index probe each),
 # then each endpoint not left out, whose tenant is not left out either (a delivery's
 # tenant is its endpoint's), gives its first due rows; the best of those are the answer.
+# Its cost follows the endpoints with pending rows (about 4 µs each, retries in backoff
+# included), where the window's follows the rows left out: hence window first.
 _SCAN_DUE_BY_ENDPOINT_SQL = """
 WITH RECURSIVE endpoints AS (
     (SELECT endpoint_id FROM deliveries_delivery WHERE state = 'pending'
