@@ -258,25 +258,28 @@ FROM (SELECT count(*) AS total FROM w) n LEFT JOIN picked p ON true
 ORDER BY p.priority DESC, p.next_attempt_at
 """
 
-# When the window was all rows left out (one hot endpoint's backlog, say): the same
-# answer by endpoint, so that no row of a saturated endpoint is read. A skip scan over
-# delivery_due_endpoint finds each endpoint with pending rows (one index probe each),
-# then each endpoint not left out, whose tenant is not left out either (a delivery's
-# tenant is its endpoint's), gives its first due rows; the best of those are the answer.
-# Its cost follows the endpoints with pending rows (about 4 µs each, retries in backoff
-# included), where the window's follows the rows left out: hence window first.
-_SCAN_DUE_BY_ENDPOINT_SQL = """
+# When the window was all rows left out (one hot endpoint's backlog, say), the same
+# answer by endpoint, so that no row of a saturated endpoint is read: a skip scan over
+# delivery_due_endpoint lists the endpoints with pending rows (one index probe each, due
+# or not: retries in backoff count), up to ``most`` + 1 of them ...
+_DUE_ENDPOINTS_SQL = """
 WITH RECURSIVE endpoints AS (
-    (SELECT endpoint_id FROM deliveries_delivery WHERE state = 'pending'
+    (SELECT endpoint_id, 1 AS n FROM deliveries_delivery WHERE state = 'pending'
      ORDER BY endpoint_id LIMIT 1)
     UNION ALL
     SELECT (SELECT d.endpoint_id FROM deliveries_delivery d
             WHERE d.state = 'pending' AND d.endpoint_id > e.endpoint_id
-            ORDER BY d.endpoint_id LIMIT 1)
-    FROM endpoints e WHERE e.endpoint_id IS NOT NULL
+            ORDER BY d.endpoint_id LIMIT 1), e.n + 1
+    FROM endpoints e WHERE e.endpoint_id IS NOT NULL AND e.n <= %(most)s
 )
+SELECT endpoint_id::text FROM endpoints WHERE endpoint_id IS NOT NULL
+"""
+
+# ... then each of them not left out, whose tenant is not left out either (a delivery's
+# tenant is its endpoint's), gives its first due rows; the best of those are the answer.
+_SCAN_DUE_OF_ENDPOINTS_SQL = """
 SELECT r.id::text, r.tenant_id::text, r.endpoint_id::text, r.priority
-FROM endpoints e
+FROM unnest(%(candidates)s::uuid[]) AS e(endpoint_id)
 JOIN deliveries_endpoint ep ON ep.id = e.endpoint_id
 CROSS JOIN LATERAL (
     SELECT d.id, d.tenant_id, d.endpoint_id, d.priority, d.next_attempt_at
@@ -286,13 +289,26 @@ CROSS JOIN LATERAL (
     ORDER BY d.priority DESC, d.next_attempt_at
     LIMIT %(limit)s
 ) r
-WHERE e.endpoint_id <> ALL(%(endpoints)s::uuid[]) AND ep.tenant_id <> ALL(%(tenants)s::uuid[])
+WHERE ep.tenant_id <> ALL(%(tenants)s::uuid[])
 ORDER BY r.priority DESC, r.next_attempt_at
+LIMIT %(limit)s
+"""
+
+# With more endpoints than that waiting, the scan past the rows left out: its cost
+# follows those rows, where the one by endpoint follows the endpoints with pending rows
+# (about 4 µs each). Each way is the cheaper one in its case; none is cheap in both.
+_SCAN_DUE_EXCLUDING_SQL = """
+SELECT id::text, tenant_id::text, endpoint_id::text, priority FROM deliveries_delivery
+WHERE state = 'pending' AND next_attempt_at <= %(now)s
+    AND tenant_id <> ALL(%(tenants)s::uuid[]) AND endpoint_id <> ALL(%(endpoints)s::uuid[])
+ORDER BY priority DESC, next_attempt_at
 LIMIT %(limit)s
 """
 
 # The window is this many times the rows asked for.
 SCAN_WINDOW = 4
+# The scan by endpoint is used while at most this many endpoints have pending rows.
+SCAN_BY_ENDPOINT_MAX = 500
 
 
 def _in_flight() -> list[tuple[str, str, int]]:
@@ -325,7 +341,16 @@ def _scan_due(now, tenants: list[str], endpoints: list[str], limit: int) -> list
             rows = [r[:4] for r in found if r[0] is not None]
             if len(rows) == limit or found[0][4] < window:
                 return rows  # enough, or the window held every due row
-            cursor.execute(_SCAN_DUE_BY_ENDPOINT_SQL, params)
+            cursor.execute(_DUE_ENDPOINTS_SQL, {"most": SCAN_BY_ENDPOINT_MAX})
+            waiting = [r[0] for r in cursor.fetchall()]
+            if len(waiting) > SCAN_BY_ENDPOINT_MAX:
+                cursor.execute(_SCAN_DUE_EXCLUDING_SQL, params)
+                return cursor.fetchall()
+            left_out = set(endpoints)
+            candidates = [e for e in waiting if e not in left_out]
+            if not candidates:
+                return []
+            cursor.execute(_SCAN_DUE_OF_ENDPOINTS_SQL, {**params, "candidates": candidates})
             return cursor.fetchall()
     candidates = Delivery.objects.filter(state=PENDING, next_attempt_at__lte=now)
     if tenants:

@@ -124,10 +124,15 @@ def _reference_scan(now, tenants, endpoints, limit):
     return [(str(i), str(t), str(e), p) for i, t, e, p in rows]
 
 
-def test_the_scan_by_window_and_by_endpoint_gives_the_one_answer():
+@pytest.mark.parametrize("by_endpoint_max", [500, 2])
+def test_the_scan_by_window_by_endpoint_or_past_the_rows_gives_the_one_answer(
+    by_endpoint_max, monkeypatch
+):
     """On PostgreSQL a scan that leaves tenants or endpoints out reads a window of the
-    due rows, then, if that window was all rows left out, reads by endpoint. Whichever
+    due rows, then, if that window was all rows left out, reads by endpoint, or, with
+    more endpoints waiting than SCAN_BY_ENDPOINT_MAX, past the rows left out. Whichever
     way, the rows are the reference query's, in its order."""
+    monkeypatch.setattr(state, "SCAN_BY_ENDPOINT_MAX", by_endpoint_max)
     import random
     from datetime import timedelta
 
