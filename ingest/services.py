@@ -787,7 +787,10 @@ def _apply_batch(rows: list[_Leased], sources: dict, keys: dict, token: uuid.UUI
         final = InboundState.PROCESSED if ran else InboundState.SKIPPED
         states.append(final)
         outcomes.append((r, "stale" if stale else final, time.perf_counter() - t_event))
-    _complete_batch(rows, states, runs, latest, sorted(set(keys.values())), token)
+    ids = [r.id for r in rows]
+    lock_keys = sorted(set(keys.values()))
+    if not _complete_many(ids, states, runs, sorted(latest.items()), lock_keys, str(token), token):
+        raise _LeaseLost
     return outcomes, observed
 
 
@@ -805,11 +808,11 @@ def _applied_versions(version_keys: list[str]) -> dict[str, datetime]:
         return dict(cursor.fetchall())
 
 
-# A committed batch's bookkeeping in one statement: the guarded transitions out of
-# processing (for the lease holder only), every handler run, each entity's version moved
-# to its latest applied event, and the batch's entity locks given back. The caller
-# rolls the whole transaction back unless every event's transition happened.
-_COMPLETE_BATCH_SQL = """
+# A successful run's bookkeeping in one statement, for one event or a batch: the guarded
+# transitions out of processing (for the lease holder only), every handler run, each
+# entity's version moved to its latest applied event, and the entity locks given back.
+# The caller rolls the whole transaction back unless every event's transition happened.
+_COMPLETE_SQL = """
 WITH done AS (
     UPDATE ingest_inboundevent e SET state = d.state, lease_until = NULL, lease_token = NULL,
         last_error = '', processed_at = %(now)s
@@ -837,15 +840,16 @@ SELECT count(*) FROM done
 """
 
 
-def _complete_batch(rows, states, runs, latest, lock_keys, token) -> None:
+def _complete_many(ids, states, runs, versions, lock_keys, owner, token) -> bool:
+    """``_COMPLETE_SQL``: ``runs`` are (event id, handler, attempt, started, duration ms,
+    outcome), ``versions`` (key, (applied at, event id)). False when a lease was lost."""
     columns = list(zip(*runs, strict=True))  # every event has at least one run row
-    versions = sorted(latest.items())
     with bound_cursor() as cursor:
         cursor.execute(
-            _COMPLETE_BATCH_SQL,
+            _COMPLETE_SQL,
             {
                 "now": timezone.now(),
-                "ids": [r.id for r in rows],
+                "ids": ids,
                 "states": states,
                 "token": token,
                 "run_events": list(columns[0]),
@@ -858,11 +862,10 @@ def _complete_batch(rows, states, runs, latest, lock_keys, token) -> None:
                 "version_times": [v[0] for _, v in versions],
                 "version_events": [v[1] for _, v in versions],
                 "lock_keys": lock_keys,
-                "owner": str(token),
+                "owner": owner,
             },
         )
-        if cursor.fetchone()[0] != len(rows):
-            raise _LeaseLost
+        return cursor.fetchone()[0] == len(ids)
 
 
 def _process_one(event: InboundEvent, token: uuid.UUID) -> str:
@@ -1043,29 +1046,6 @@ def _record_failure(event, token, started, exc) -> None:
     )
 
 
-# A successful run's bookkeeping in one statement: the guarded transition out of
-# processing (for the lease holder only), the handler runs, and the entity lock given
-# back; the runs and the release only if the transition happened.
-_COMPLETE_SQL = """
-WITH done AS (
-    UPDATE ingest_inboundevent SET state = %(state)s, lease_until = NULL, lease_token = NULL,
-        last_error = '', processed_at = %(now)s
-    WHERE id = %(id)s AND state = 'processing' AND lease_token = %(token)s
-    RETURNING id
-), runs AS (
-    INSERT INTO ingest_handlerrun (event_id, handler, attempt, started_at, duration_ms,
-        outcome, error)
-    SELECT done.id, r.handler, %(attempt)s, %(started)s, r.duration_ms, r.outcome, ''
-    FROM done, unnest(%(handlers)s::text[], %(durations)s::float8[], %(outcomes)s::text[])
-        AS r(handler, duration_ms, outcome)
-), unlock AS (
-    DELETE FROM deliveries_entitylock
-    WHERE key = %(lock_key)s AND owner = %(lock_owner)s AND EXISTS (SELECT 1 FROM done)
-)
-SELECT count(*) FROM done
-"""
-
-
 def _complete(event, token, state, runs: list, release) -> bool:
     """Record ``runs``, mark ``event`` ``state`` and give back the entity lock
     ``release`` (key, owner), if the lease is still ours; False when it was lost."""
@@ -1077,24 +1057,9 @@ def _complete(event, token, state, runs: list, release) -> bool:
             entity_lock_release(key=release[0], owner=release[1])
         return True
     key, owner = release if release is not None else ("", "")
-    with bound_cursor() as cursor:
-        cursor.execute(
-            _COMPLETE_SQL,
-            {
-                "state": state,
-                "now": timezone.now(),
-                "id": event.id,
-                "token": token,
-                "attempt": event.attempt_count,
-                "started": runs[0].started_at,
-                "handlers": [r.handler for r in runs],
-                "durations": [r.duration_ms for r in runs],
-                "outcomes": [r.outcome for r in runs],
-                "lock_key": key,
-                "lock_owner": owner,
-            },
-        )
-        return cursor.fetchone()[0] == 1
+    rows = [(event.id, r.handler, r.attempt, r.started_at, r.duration_ms, r.outcome) for r in runs]
+    # The version was advanced before the handlers (_advance_version): none to move here.
+    return _complete_many([event.id], [state], rows, [], [key] if key else [], owner, token)
 
 
 def _finish(

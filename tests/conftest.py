@@ -46,6 +46,17 @@ def make_endpoint(tenant):
     return make
 
 
+def queue_for_slow_endpoint(tenant, receiver, *, deliveries: int, seconds: float) -> None:
+    """An endpoint whose receiver answers after ``seconds``, and ``deliveries`` of it
+    admitted and on the broker, ready for a worker."""
+    receiver.delays["/slow"] = seconds
+    services.endpoint_create(tenant=tenant, url=receiver.url("/slow"))
+    for i in range(deliveries):
+        services.publish_event(tenant=tenant, event_type="t", payload={"i": i})
+    scheduler_tick()
+    relay_tick()
+
+
 def run_workers(**options) -> dict:
     """Run the real worker until the broker is empty."""
     worker = Worker(lanes=options.pop("lanes", 2), **options)

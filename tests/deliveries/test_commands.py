@@ -12,10 +12,9 @@ import pytest
 from django.utils import timezone
 
 from deliveries import services
-from deliveries.loops import relay_tick, scheduler_tick
 from deliveries.models import ApiKey, Attempt, Delivery, LoopRun, QueueMessage
 from deliveries.services import hash_api_key
-from tests.conftest import drain, manage, subprocess_env
+from tests.conftest import drain, manage, queue_for_slow_endpoint, subprocess_env
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,12 +89,7 @@ def test_delivery_status_explains_a_delivery(tenant):
 def test_sigterm_lets_workers_finish_and_record_the_requests_in_flight(
     tenant, receiver, workers_process
 ):
-    receiver.delays["/slow"] = 1.5
-    services.endpoint_create(tenant=tenant, url=receiver.url("/slow"))
-    for i in range(3):
-        services.publish_event(tenant=tenant, event_type="t", payload={"i": i})
-    scheduler_tick()
-    relay_tick()
+    queue_for_slow_endpoint(tenant, receiver, deliveries=3, seconds=1.5)
 
     proc = workers_process(env=subprocess_env())
     receiver.wait_for(3, timeout=20)
@@ -114,12 +108,7 @@ def test_sigterm_past_the_grace_gives_the_leases_back_and_strands_nothing(
 ):
     # Each request takes far longer than the grace; the worker sends two at a time, so
     # at SIGTERM two requests are in flight and four deliveries wait in the queue.
-    receiver.delays["/slow"] = 15
-    services.endpoint_create(tenant=tenant, url=receiver.url("/slow"))
-    for i in range(6):
-        services.publish_event(tenant=tenant, event_type="t", payload={"i": i})
-    scheduler_tick()
-    relay_tick()
+    queue_for_slow_endpoint(tenant, receiver, deliveries=6, seconds=15)
 
     proc = workers_process("--concurrency", "2", env=subprocess_env(WORKER_SHUTDOWN_GRACE="1"))
     receiver.wait_for(2, timeout=20)

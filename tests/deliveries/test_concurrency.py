@@ -15,6 +15,7 @@ from deliveries import worker as worker_module
 from deliveries.loops import StopFlag, relay_tick, run_loop, scheduler_tick
 from deliveries.models import Attempt, Delivery
 from deliveries.worker import Worker
+from tests.conftest import queue_for_slow_endpoint
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -93,12 +94,7 @@ def test_the_concurrency_ceiling_holds_across_lanes_that_take_at_once(tenant, re
     """Four lanes start together with every slot free: each must reserve its room before
     it waits for the database, or all four lease a full batch and the worker sends four
     times its ceiling."""
-    receiver.delays["/slow"] = 3
-    services.endpoint_create(tenant=tenant, url=receiver.url("/slow"))
-    for i in range(12):
-        services.publish_event(tenant=tenant, event_type="t", payload={"i": i})
-    scheduler_tick()
-    relay_tick()
+    queue_for_slow_endpoint(tenant, receiver, deliveries=12, seconds=3)
 
     async def main() -> None:
         stop = asyncio.Event()
