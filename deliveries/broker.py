@@ -95,10 +95,15 @@ RETURNING id, payload, priority
 """
 
 
+# The payloads travel as one JSON array of strings, not as a text[] parameter: psycopg
+# builds an array literal in Python, quoting and escaping every element (about 7 µs for
+# a message's JSON), where json.dumps of the list is one C call.
 _ENQUEUE_SQL = """
 INSERT INTO deliveries_queuemessage (queue, payload, priority, visible_at, receives, created_at)
-SELECT %s, t.payload, t.priority, %s, 0, %s
-FROM unnest(%s::text[], %s::int[]) AS t(payload, priority)
+SELECT %s, m.payload, p.priority, %s, 0, %s
+FROM json_array_elements_text(%s::json) WITH ORDINALITY AS m(payload, i)
+JOIN unnest(%s::int[]) WITH ORDINALITY AS p(priority, i) USING (i)
+ORDER BY i
 RETURNING id
 """
 
@@ -125,7 +130,7 @@ class DatabaseBroker(Broker):
         if connection.vendor == "postgresql":
             with bound_cursor() as cursor:
                 cursor.execute(
-                    _ENQUEUE_SQL, [self.list_key, now, now, list(tasks), list(priorities)]
+                    _ENQUEUE_SQL, [self.list_key, now, now, json.dumps(tasks), list(priorities)]
                 )
                 ids = [r[0] for r in cursor.fetchall()]
             wakeup.notify(wakeup.QUEUE)

@@ -42,6 +42,21 @@ def test_database_broker_hands_each_message_to_one_consumer_until_it_times_out(s
     assert QueueMessage.objects.count() == 0
 
 
+def test_database_broker_stores_payloads_byte_for_byte_in_order():
+    """The batch enqueue sends its payloads as one JSON array: quotes, backslashes,
+    braces, commas, control characters and non-ASCII text come back unchanged, each
+    with its own priority, ids in the order given."""
+    payloads = ['{"a": "b"}', 'back\\slash "quoted"', "{1,2}", "tab\tnew\nline", "naïve ✓", ""]
+    b = DatabaseBroker(list_key="bytes")
+    ids = b.enqueue_many(payloads, priorities=[1, 2, 3, 4, 5, 6])
+
+    assert ids == sorted(ids)
+    stored = dict(QueueMessage.objects.filter(id__in=ids).values_list("id", "payload"))
+    priorities = dict(QueueMessage.objects.filter(id__in=ids).values_list("id", "priority"))
+    assert [stored[i] for i in ids] == payloads
+    assert [priorities[i] for i in ids] == [1, 2, 3, 4, 5, 6]
+
+
 def test_messages_round_trip():
     m = Message(uuid.uuid4(), 3, priority=2)
     assert Message.decode(m.encode()) == m

@@ -200,3 +200,53 @@ def test_release_gives_a_lease_back_without_counting_the_attempt(tenant, make_en
     assert held_row.next_attempt_at <= NOW()
     lost_row = Delivery.objects.get(id=lost.id)
     assert lost_row.state == "leased" and lost_row.attempt_count == 1
+
+
+def test_the_scheduler_admits_on_every_pass_and_sweeps_once_an_interval(
+    tenant, make_endpoint, monkeypatch
+):
+    """SchedulerPasses (run_scheduler's loop): admission every pass, the sweeps (here a
+    lease running out) at most every sweep_every seconds of its clock."""
+    from deliveries import loops
+
+    clock = [1000.0]
+    monkeypatch.setattr(loops.time, "monotonic", lambda: clock[0])
+    passes = loops.SchedulerPasses(sweep_every=0.5)
+    make_endpoint("http://127.0.0.1:9/x")
+
+    def expired_lease() -> None:
+        publish(tenant)
+        scheduler_tick(sweep=False)
+        d = Delivery.objects.get(state="enqueued")
+        state.lease([(d.id, 1)], now=NOW(), lease_seconds=-1)
+
+    expired_lease()
+    assert passes().counts["lease_expired"] == 1
+
+    expired_lease()
+    publish(tenant)
+    second = passes()
+    assert second.counts["enqueued"] == 1  # admitted at once
+    assert "lease_expired" not in second.counts  # the sweep waits for its interval
+    assert Delivery.objects.filter(state="leased").count() == 1
+
+    clock[0] += 0.5
+    assert passes().counts["lease_expired"] == 1
+    assert not Delivery.objects.filter(state="leased").exists()
+
+
+def test_a_sweep_that_filled_its_page_runs_again_on_the_next_pass(
+    tenant, make_endpoint, monkeypatch
+):
+    from deliveries import loops
+
+    monkeypatch.setattr(loops.time, "monotonic", lambda: 1000.0)  # the clock stands still
+    make_endpoint("http://127.0.0.1:9/x")
+    publish(tenant, n=3)
+    scheduler_tick(sweep=False)
+    state.lease([(d.id, 1) for d in Delivery.objects.all()], now=NOW(), lease_seconds=-1)
+    passes = loops.SchedulerPasses(page_size=2, sweep_every=60)
+
+    assert passes().counts["lease_expired"] == 2  # a full page: more may wait
+    assert passes().counts["lease_expired"] == 1  # not a full page: swept dry
+    assert "lease_expired" not in passes().counts  # the next sweep waits 60 s

@@ -2,7 +2,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from deliveries import wakeup
-from deliveries.loops import StopFlag, run_loop, scheduler_tick
+from deliveries.loops import SchedulerPasses, StopFlag, run_loop
 
 from ._loop import add_loop_arguments
 
@@ -21,7 +21,7 @@ class Command(BaseCommand):
         stop.install()
         totals = run_loop(
             "scheduler",
-            scheduler_tick,
+            SchedulerPasses(),
             once=once,
             until_idle=until_idle,
             interval=settings.SCHEDULER_INTERVAL,
