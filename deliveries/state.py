@@ -222,9 +222,13 @@ class _Slots:
         return chosen
 
 
+# Grouped by the uuids, cast once per group: grouping by the casts cast two ids of every
+# row in flight (3 ms a pass with 5,000 in flight, against 1 ms).
 _IN_FLIGHT_SQL = """
-SELECT tenant_id::text, endpoint_id::text, count(*) FROM deliveries_delivery
-WHERE state IN ('enqueued', 'leased') GROUP BY 1, 2
+SELECT tenant_id::text, endpoint_id::text, n FROM (
+    SELECT tenant_id, endpoint_id, count(*) AS n FROM deliveries_delivery
+    WHERE state IN ('enqueued', 'leased') GROUP BY tenant_id, endpoint_id
+) AS in_flight
 """
 
 # Due rows, highest priority and oldest first, leaving out saturated tenants and
@@ -362,12 +366,15 @@ def _scan_due(now, tenants: list[str], endpoints: list[str], limit: int) -> list
 
 
 # pending → enqueued and one outbox row per delivery, in one statement. The message key
-# is message_key(): the delivery id in hex, a colon, the dispatch number.
+# is message_key(): the delivery id in hex, a colon, the dispatch number. The rows are
+# found by primary key; the state test is written so that the planner cannot read the
+# partial indexes of pending rows instead (see _LEASE_SQL): with 15,000 pending it read
+# them all, filtering on the 200 ids, 8.9 ms against 0.3 ms.
 _ENQUEUE_SQL = """
 WITH admitted AS (
     UPDATE deliveries_delivery SET state = 'enqueued', enqueued_at = %(now)s,
         dispatch_count = dispatch_count + 1, updated_at = %(now)s
-    WHERE id = ANY(%(ids)s::uuid[]) AND state = 'pending' AND next_attempt_at <= %(now)s
+    WHERE id = ANY(%(ids)s::uuid[]) AND (state || '') = 'pending' AND next_attempt_at <= %(now)s
     RETURNING id, dispatch_count, priority
 )
 INSERT INTO deliveries_outbox (message_key, kind, ref_id, dispatch, priority, created_at)
@@ -568,6 +575,13 @@ def lease(
     return leased, len(messages) - len(rows)
 
 
+# The worker's statements (lease, success) find a batch of rows by primary key. Their
+# state test is written ``(d.state || '') = '...'`` so that the planner cannot answer it
+# from the partial index delivery_in_flight: it otherwise reads every row in flight to
+# find the batch's (its estimate of the rows in flight comes from the last ANALYZE),
+# which with 5,000 in flight took 1.5-2.5 ms of each 200-row statement where the
+# primary key lookups take 0.5 ms.
+#
 # One statement: lock the wanted rows still enqueued at the message's dispatch (primary
 # key lookups), skip rows another worker holds, and lease them (or, for a disabled
 # endpoint, finish them) returning what sending needs, the event body included.
@@ -575,7 +589,7 @@ _LEASE_SQL = """
 WITH wanted AS (SELECT * FROM unnest(%(ids)s::uuid[], %(dispatches)s::int[]) AS w(id, n)),
 locked AS (
     SELECT d.id FROM deliveries_delivery d JOIN wanted ON wanted.id = d.id
-    WHERE d.state = 'enqueued' AND d.dispatch_count = wanted.n
+    WHERE (d.state || '') = 'enqueued' AND d.dispatch_count = wanted.n
     FOR UPDATE OF d SKIP LOCKED
 )
 UPDATE deliveries_delivery d SET
@@ -757,7 +771,7 @@ UPDATE deliveries_delivery d SET state = 'succeeded', finished_at = %(now)s,
     last_outcome = 'success', last_status_code = v.status, last_error = '',
     lease_until = NULL, lease_token = NULL, last_attempt_at = %(now)s, updated_at = %(now)s
 FROM unnest(%(ids)s::uuid[], %(tokens)s::uuid[], %(statuses)s::int[]) AS v(id, token, status)
-WHERE d.id = v.id AND d.state = 'leased' AND d.lease_token = v.token
+WHERE d.id = v.id AND (d.state || '') = 'leased' AND d.lease_token = v.token
 RETURNING d.id
 """
 
