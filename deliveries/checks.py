@@ -1,7 +1,6 @@
 """System checks: a misconfigured setting fails loudly with a stable id."""
 
 import ipaddress
-import math
 
 from django.conf import settings
 from django.core.checks import Error, register
@@ -10,11 +9,18 @@ from django.utils.module_loading import import_string
 
 @register()
 def check_delivery_settings(app_configs, **kwargs):
+    from .policy import RetryPolicy
+
     errors = []
-    schedule = settings.DELIVERY_RETRY_SCHEDULE
-    if not all(0 <= step < math.inf for step in schedule):  # NaN fails too
+    try:
+        RetryPolicy.from_settings()  # the policy's own rules: one place for them
+    except (TypeError, ValueError) as exc:
         errors.append(
-            Error("DELIVERY_RETRY_SCHEDULE has a negative or infinite step.", id="deliveries.E001")
+            Error(
+                f"DELIVERY_RETRY_SCHEDULE, DELIVERY_RETRY_JITTER or "
+                f"DELIVERY_RETRY_AFTER_MAX: {exc}.",
+                id="deliveries.E001",
+            )
         )
     for cidr in settings.EGRESS_ALLOW_NETWORKS:
         try:

@@ -89,6 +89,10 @@ def parse_retry_after(value: str | None, *, now: datetime) -> float | None:
     return max(0.0, (when - now).total_seconds())
 
 
+# The shortest positive retry step, in seconds.
+MIN_STEP = 0.001
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """When to try again after a retryable failure.
@@ -107,8 +111,13 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         # Written so that NaN fails too (every comparison with NaN is False); an infinite
         # step or clamp would overflow the datetime arithmetic that schedules the retry.
-        if not all(0 <= step < math.inf for step in self.schedule):
-            raise ValueError("retry schedule steps must be finite and not negative")
+        # A positive step under MIN_STEP cannot put a retry later than the attempt before
+        # it: retries are scheduled to the microsecond, and a subnormal step jittered
+        # rounds to nothing.
+        if not all(step == 0 or MIN_STEP <= step < math.inf for step in self.schedule):
+            raise ValueError(
+                f"retry schedule steps must be 0 or from {MIN_STEP} s, finite (seconds)"
+            )
         if not 0 <= self.jitter < 1:
             raise ValueError("jitter must be in [0, 1)")
         if not 0 <= self.retry_after_max < math.inf:

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from deliveries.models import Outcome
-from deliveries.policy import RetryPolicy, classify, parse_retry_after
+from deliveries.policy import MIN_STEP, RetryPolicy, classify, parse_retry_after
 
 SCHEDULE = (5, 300, 1800, 7200, 18000, 36000, 50400, 72000, 86400)
 
@@ -92,7 +92,7 @@ def test_retry_after_lengthens_but_never_shortens_and_is_clamped():
 
 
 @given(
-    schedule=st.lists(st.floats(0, 10**6), min_size=1, max_size=12),
+    schedule=st.lists(st.just(0.0) | st.floats(MIN_STEP, 10**6), min_size=1, max_size=12),
     jitter=st.floats(0, 0.99),
     seed=st.integers(),
     retry_after=st.none() | st.floats(0, 10**7),

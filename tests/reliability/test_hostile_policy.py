@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from deliveries.policy import RetryPolicy, parse_retry_after
+from deliveries.policy import MIN_STEP, RetryPolicy, parse_retry_after
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 PROPERTY = hypothesis_settings(max_examples=300, deadline=None)
@@ -45,7 +45,9 @@ retry_after_texts = st.one_of(
     ),
 )
 
-schedules = st.lists(st.floats(0, 10**6), min_size=1, max_size=12).map(tuple)
+# A step is 0 or from MIN_STEP (shorter positive steps are refused, see below).
+steps = st.just(0.0) | st.floats(MIN_STEP, 10**6)
+schedules = st.lists(steps, min_size=1, max_size=12).map(tuple)
 
 
 @PROPERTY
@@ -113,7 +115,7 @@ def test_the_schedule_ends_after_exactly_its_length_whatever_is_asked(
 
 @PROPERTY
 @given(
-    schedule=st.lists(st.floats(0, 10**6), min_size=2, max_size=12).map(sorted).map(tuple),
+    schedule=st.lists(steps, min_size=2, max_size=12).map(sorted).map(tuple),
     jitter=st.floats(0, 0.99),
     seed=st.integers(),
     header=st.none() | retry_after_texts,
@@ -157,6 +159,10 @@ def test_jitter_uses_both_halves_of_its_band(base, jitter, seed):
         {"schedule": (5, math.nan)},
         {"schedule": (math.inf,)},
         {"schedule": (-1,)},
+        # A step that schedules nothing later: under a millisecond, down to the subnormal
+        # float hypothesis found (5e-324 with jitter 0.75 rounds to no wait at all).
+        {"schedule": (5, 5e-324)},
+        {"schedule": (0.0009,)},
         {"schedule": (5,), "jitter": math.nan},
         {"schedule": (5,), "jitter": 1.0},
         {"schedule": (5,), "retry_after_max": math.nan},
