@@ -142,9 +142,11 @@ def run_peer(name: str, script: str, extra: list, n: int, ctx: dict) -> dict:
 
 def service_pipeline(env: dict) -> "ob.Pipeline":
     """The service as every scenario runs it: one run_workers process per core, two
-    lanes each, batches of 500, the product's worker concurrency."""
+    lanes each, batches of 500, 256 requests in flight per process (the bare loop's
+    concurrency; 512, the product's default, which leaves room for slow endpoints,
+    cost each request more CPU in the client and the receiver here: docs/benchmarks.md)."""
     return ob.Pipeline(
-        workers=os.cpu_count() or 1, lanes=2, batch_size=500, worker_concurrency=None, env=env
+        workers=os.cpu_count() or 1, lanes=2, batch_size=500, worker_concurrency=256, env=env
     )
 
 
@@ -912,7 +914,8 @@ def versions(ctx: dict) -> dict:
     out["bare aiohttp loop"] = f"aiohttp {v('aiohttp')}, 256 in flight"
     out[BASELINE_SKIP_LOCKED] = f"psycopg {v('psycopg')} + aiohttp"
     out["service"] = (
-        f"{os.cpu_count()} run_workers (--lanes 2 --batch-size 500), ceilings 5,000, pages 2,000"
+        f"{os.cpu_count()} run_workers (--lanes 2 --batch-size 500 --concurrency 256), "
+        "ceilings 5,000, pages 2,000"
     )
     out["gunicorn"] = v("gunicorn")
     out["matplotlib"] = v("matplotlib")

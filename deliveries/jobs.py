@@ -7,9 +7,10 @@ A kind registers:
 - ``process(messages)``: run in a worker's database thread with the decoded broker
   messages of that kind; it leases, runs and records them, guarded like deliveries, and
   returns counts. The worker acknowledges the messages after it returns.
-- ``schedule(now, page_size)``: run by every scheduler pass; admits due jobs (writing
-  their outbox rows), expires leases and recovers lost dispatches; returns counts and
-  whether work remains.
+- ``schedule(now, page_size)``: run by the scheduler's sweeps (once per
+  ``SCHEDULER_INTERVAL``, and again on the next pass while it reports more work); admits
+  due jobs (writing their outbox rows), expires leases and recovers lost dispatches;
+  returns counts and whether work remains.
 """
 
 from collections import Counter

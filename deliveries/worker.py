@@ -13,7 +13,9 @@ One unit of work (``Worker.process_batch``):
 
 Several lanes take batches at once so that the database work of one overlaps the network
 work of another, and a lane does not wait for its batch's answers: it takes the next
-batch as long as there is room under the concurrency ceiling. An endpoint that sleeps
+batch as long as there is room under the concurrency ceiling plus a prefetch of half of
+it (prefetched deliveries wait in the process for a request slot, so requests start as
+soon as answers come in, while the answered batch is being recorded). An endpoint that sleeps
 30 s per request holds only its own request slots (and at most its concurrency ceiling
 of them), never a lane (docs/reliability.md, head-of-line isolation).
 
@@ -76,6 +78,10 @@ LISTEN_POLL = 1.0
 RECORD_EVERY = 0.2
 # Seconds a lane waits when every request slot is taken.
 SLOT_WAIT = 0.01
+# Deliveries a worker leases ahead of its free request slots, as a fraction of its
+# concurrency: they wait for a slot in the process, so that the requests of the next
+# batch start the moment answers come in, while the batch that answered is recorded.
+PREFETCH = 0.5
 
 # Headers the protocol owns; an endpoint's custom headers cannot replace them.
 PROTOCOL_HEADERS = frozenset(
@@ -269,13 +275,18 @@ class Worker:
         self.lanes = lanes
         self.broker = broker or transport.broker()
         self.policy = RetryPolicy.from_settings()
+        # A prefetched delivery may wait for a request slot as long as a request can take
+        # (slots held by hanging requests), then take as long itself.
         self.lease_seconds = max(
-            settings.DELIVERY_LEASE_SECONDS, settings.DELIVERY_MAX_TIMEOUT + 15
+            settings.DELIVERY_LEASE_SECONDS, 2 * settings.DELIVERY_MAX_TIMEOUT + 15
         )
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.concurrency = concurrency or settings.WORKER_CONCURRENCY
         self.in_flight = asyncio.Semaphore(self.concurrency)
-        self.sending = 0  # leased deliveries whose requests are out or being recorded
+        # Leased deliveries not recorded yet: waiting for a request slot, out, or being
+        # recorded. At most concurrency + prefetch.
+        self.sending = 0
+        self.prefetch = int(self.concurrency * PREFETCH)
         self.egress = egress
         self.db = ThreadPoolExecutor(max_workers=lanes + 1, thread_name_prefix="worker-db")
         self.counts: Counter = Counter()
@@ -641,7 +652,7 @@ class Worker:
         mine: set[asyncio.Task] = set()
         try:
             while not stop.is_set():
-                room = min(self.batch_size, self.concurrency - self.sending)
+                room = min(self.batch_size, self.concurrency + self.prefetch - self.sending)
                 if room <= 0:
                     await _wait(stop, SLOT_WAIT)
                     continue

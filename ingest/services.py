@@ -463,7 +463,7 @@ def _write_outbox(ids: Sequence[uuid.UUID], now: datetime) -> None:
     )
 
 
-# --- Scheduling (run by every scheduler pass) -----------------------------------------
+# --- Scheduling (run by the scheduler's sweeps) -----------------------------------------
 
 
 def inbound_schedule(now: datetime, page_size: int) -> tuple[Counter, bool]:

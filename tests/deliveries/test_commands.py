@@ -106,14 +106,15 @@ def test_sigterm_lets_workers_finish_and_record_the_requests_in_flight(
 def test_sigterm_past_the_grace_gives_the_leases_back_and_strands_nothing(
     tenant, receiver, workers_process
 ):
-    # Each request takes far longer than the grace; the worker sends two at a time, so
-    # at SIGTERM two requests are in flight and four deliveries wait in the queue.
+    # Each request takes far longer than the grace; the worker sends two at a time and
+    # leases one more ahead (prefetch: half its concurrency), so at SIGTERM two requests
+    # are in flight, one delivery waits for a slot and three wait in the queue.
     queue_for_slow_endpoint(tenant, receiver, deliveries=6, seconds=15)
 
     proc = workers_process("--concurrency", "2", env=subprocess_env(WORKER_SHUTDOWN_GRACE="1"))
     receiver.wait_for(2, timeout=20)
-    # The ceiling: two requests out, two leases held; the other four wait in the queue.
-    assert Delivery.objects.filter(state="leased").count() == 2
+    # The ceiling: two requests out, three leases held; the other three in the queue.
+    assert Delivery.objects.filter(state="leased").count() == 3
     proc.send_signal(signal.SIGTERM)
     started = time.monotonic()
     out, err = proc.communicate(timeout=30)
@@ -121,18 +122,18 @@ def test_sigterm_past_the_grace_gives_the_leases_back_and_strands_nothing(
     assert proc.returncode == 0, err
     # The grace (1 s), not the receiver (15 s), decided when the worker stopped.
     assert time.monotonic() - started < 8
-    assert "released=2" in out
+    assert "released=3" in out
     assert len(receiver.received) == 2
     # Every lease was given back at once: pending, due, the attempt not counted, and the
     # spent broker messages acknowledged. Nothing waits for a lease to run out; the
-    # four never taken are still queued.
+    # three never taken are still queued.
     assert Delivery.objects.filter(state="leased").count() == 0
     due = Delivery.objects.filter(state="pending", next_attempt_at__lte=timezone.now())
-    assert due.count() == 2
-    assert Delivery.objects.filter(state="enqueued").count() == 4
+    assert due.count() == 3
+    assert Delivery.objects.filter(state="enqueued").count() == 3
     assert set(Delivery.objects.values_list("attempt_count", "policy_attempts")) == {(0, 0)}
     assert Attempt.objects.count() == 0
-    assert QueueMessage.objects.count() == 4
+    assert QueueMessage.objects.count() == 3
 
     receiver.delays["/slow"] = 0
     drain()
@@ -142,6 +143,7 @@ def test_sigterm_past_the_grace_gives_the_leases_back_and_strands_nothing(
     assert all(d.attempt_count == 1 for d in deliveries.values())
     copies = Counter(r.webhook_id for r in receiver.requests_to("/slow"))
     # Each delivery reached the receiver under its own single webhook-id: the two cut
-    # off mid-request twice, the four never taken once.
+    # off mid-request twice, the one that waited for a slot and the three never taken
+    # once.
     assert set(copies) == set(deliveries)
     assert sorted(copies.values()) == [1, 1, 1, 1, 2, 2]

@@ -110,6 +110,40 @@ def test_the_concurrency_ceiling_holds_across_lanes_that_take_at_once(tenant, re
     assert Delivery.objects.filter(state="leased").count() == 0
 
 
+def test_a_worker_leases_half_its_concurrency_ahead_and_sends_no_more_than_it(tenant, receiver):
+    """Prefetch: while its requests are out, a worker leases up to PREFETCH times its concurrency
+    more deliveries, which wait in the process for a request slot; the receiver never
+    sees more than the concurrency at once. Stopping past the grace gives every lease
+    back, the waiting ones included."""
+    queue_for_slow_endpoint(tenant, receiver, deliveries=12, seconds=3)
+    seen: dict = {}
+
+    def leased() -> int:
+        try:
+            return Delivery.objects.filter(state="leased").count()
+        finally:
+            connection.close()
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        worker = Worker(lanes=2, concurrency=4, batch_size=10, shutdown_grace=0)
+        running = asyncio.create_task(worker.run(stop=stop, idle_sleep=0.01))
+        await asyncio.sleep(1.5)  # the first answers are 3 s off
+        seen["leased"] = await asyncio.to_thread(leased)
+        seen["requests"] = len(receiver.received)
+        stop.set()
+        await running
+
+    asyncio.run(main())
+    assert seen == {"leased": 6, "requests": 4}
+    assert len(receiver.received) == 4
+    # The six leases went back to pending (due now, the attempt not counted); the
+    # other six were never taken.
+    assert Delivery.objects.filter(state="leased").count() == 0
+    assert Delivery.objects.filter(state="pending", attempt_count=0).count() == 6
+    assert Delivery.objects.filter(state="enqueued").count() == 6
+
+
 def test_a_notification_during_an_empty_take_ends_the_idle_wait(tenant, receiver, monkeypatch):
     """The relay enqueues while a lane's take is running and finds nothing. The
     notification must end the lane's idle wait; cleared after the take, it left the lane
