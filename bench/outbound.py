@@ -21,7 +21,8 @@ One run (``make bench``, or ``python bench/outbound.py --events 20000 --repeat 3
    PostgreSQL backends of each, by ``application_name``) go to
    ``bench/results/outbound.json`` and a Markdown table on stdout.
 
-The pipeline's settings are the product's defaults unless given: ``--workers``,
+The pipeline is deployed as docs/deployment.md says (one ``run_workers`` per core) with
+the product's default settings unless given: ``--workers``,
 ``--lanes``, ``--batch-size``, ``--worker-concurrency``, and ``--env NAME=VALUE`` for any
 setting read from the environment (``SCHEDULER_PAGE_SIZE``, ``RELAY_INTERVAL``, ...).
 ``--py-spy DIR`` records a py-spy profile of every pipeline process during the last
@@ -741,7 +742,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--concurrency", type=int, default=256, help="bare loop: requests in flight"
     )
-    parser.add_argument("--workers", type=int, default=1, help="run_workers processes")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="run_workers processes (default: one per core, as docs/deployment.md runs them)",
+    )
     parser.add_argument("--lanes", type=int, default=4, help="run_workers --lanes")
     parser.add_argument("--batch-size", type=int, default=None, help="run_workers --batch-size")
     parser.add_argument("--worker-concurrency", type=int, default=None)

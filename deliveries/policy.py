@@ -115,9 +115,7 @@ class RetryPolicy:
         # it: retries are scheduled to the microsecond, and a subnormal step jittered
         # rounds to nothing.
         if not all(step == 0 or MIN_STEP <= step < math.inf for step in self.schedule):
-            raise ValueError(
-                f"retry schedule steps must be 0 or from {MIN_STEP} s, finite (seconds)"
-            )
+            raise ValueError(f"retry schedule steps must be 0 or at least {MIN_STEP} s, and finite")
         if not 0 <= self.jitter < 1:
             raise ValueError("jitter must be in [0, 1)")
         if not 0 <= self.retry_after_max < math.inf:
