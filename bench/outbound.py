@@ -531,9 +531,7 @@ def run_service(
         released_at = time.time()
         # The release is the bench's doing, not the pipeline's: its backend's CPU counts
         # from here.
-        bench_app_cpu.update(
-            {k: v for k, v in backend_cpu_by_app(db_name).items() if k == "bench-ctl"}
-        )
+        bench_app_cpu["bench-ctl"] = backend_cpu_by_app(db_name).get("bench-ctl", 0.0)
         started = time.perf_counter()
         deadline = started + timeout
         polls = 0
@@ -579,14 +577,12 @@ def run_service(
     attempts = sql("SELECT count(*) FROM deliveries_attempt")[0][0]
     if succeeded != n or counts["distinct_webhook_ids"] < n or counts["requests"] < n:
         raise BenchError(f"service: {succeeded} of {n} succeeded; receiver counted {counts}")
-    steady = None
-    if first_success is not None and seconds > first_success:
-        steady = round(n / (seconds - first_success), 1)
+    steady = round(n / (seconds - first_success), 1) if seconds > first_success else None
     return {
         "startup_seconds": round(startup, 2),
         "seconds": round(seconds, 3),
         "per_second": round(n / seconds, 1),
-        "first_success_after": round(first_success or 0.0, 2),
+        "first_success_after": round(first_success, 2),
         "per_second_after_first_success": steady,
         "publish_seconds": pub["seconds"],
         "publish_per_second": pub["per_second"],

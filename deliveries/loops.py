@@ -80,13 +80,14 @@ def scheduler_tick(*, page_size: int | None = None, sweep: bool = True) -> Tick:
     admitted = state.admit_due(now=now, page_size=page_size, limits=state.Limits.from_settings())
     tick.counts["enqueued"] = admitted.admitted
     tick.counts["held_back"] = admitted.held_back
-    tick.busy = admitted.admitted >= page_size or tick.counts["lease_expired"] >= page_size
+    expiries_left = tick.counts["lease_expired"] >= page_size  # a full page: more may wait
+    tick.busy = admitted.admitted >= page_size or expiries_left
     if sweep:
         for kind in jobs.KINDS.values():
             counts, more = kind.schedule(now, page_size)
             tick.counts.update({f"{kind.name}.{k}": v for k, v in counts.items()})
             others_busy |= more
-        tick.sweep_busy = others_busy or tick.counts["lease_expired"] >= page_size
+        tick.sweep_busy = others_busy or expiries_left
     if sweep and not tick.busy and admitted.admitted == 0 and not others_busy:
         tick.idle = not Delivery.objects.filter(
             Q(state__in=state.IN_FLIGHT) | Q(state=state.PENDING, next_attempt_at__lte=now)

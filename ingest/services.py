@@ -638,6 +638,12 @@ def _lease_portable(wanted: dict, *, token, until) -> list[uuid.UUID]:
     return leased
 
 
+def _entity_key(slug: str, entity_id: str) -> str:
+    """The key of an entity's lock and applied version ("" for an event without one):
+    the batch and the one-by-one paths must name an entity alike to exclude each other."""
+    return f"{slug}:{entity_id}" if entity_id else ""
+
+
 _EARLIEST = datetime.min.replace(tzinfo=UTC)
 
 
@@ -652,7 +658,7 @@ def _process_batch(rows: list[_Leased], token: uuid.UUID, counts: Counter) -> li
     older than its entity's applied version is stale, exactly as one by one."""
     sources = Source.objects.in_bulk({r.source_id for r in rows})
     owner = str(token)
-    keys = {r.id: f"{sources[r.source_id].slug}:{r.entity_id}" for r in rows if r.entity_id}
+    keys = {r.id: _entity_key(sources[r.source_id].slug, r.entity_id) for r in rows if r.entity_id}
     if keys:
         held = entity_locks_acquire(keys=keys.values(), owner=owner, ttl=LOCK_TTL)
         busy = [event_id for event_id, key in keys.items() if key not in held]
@@ -789,7 +795,7 @@ def _apply_batch(rows: list[_Leased], sources: dict, keys: dict, token: uuid.UUI
         outcomes.append((r, "stale" if stale else final, time.perf_counter() - t_event))
     ids = [r.id for r in rows]
     lock_keys = sorted(set(keys.values()))
-    if not _complete_many(ids, states, runs, sorted(latest.items()), lock_keys, str(token), token):
+    if not _complete_many(ids, states, runs, sorted(latest.items()), lock_keys, token):
         raise _LeaseLost
     return outcomes, observed
 
@@ -840,9 +846,10 @@ SELECT count(*) FROM done
 """
 
 
-def _complete_many(ids, states, runs, versions, lock_keys, owner, token) -> bool:
+def _complete_many(ids, states, runs, versions, lock_keys, token) -> bool:
     """``_COMPLETE_SQL``: ``runs`` are (event id, handler, attempt, started, duration ms,
-    outcome), ``versions`` (key, (applied at, event id)). False when a lease was lost."""
+    outcome), ``versions`` (key, (applied at, event id)); the entity locks ``lock_keys``
+    are released if the lease's token owns them. False when a lease was lost."""
     columns = list(zip(*runs, strict=True))  # every event has at least one run row
     with bound_cursor() as cursor:
         cursor.execute(
@@ -862,15 +869,15 @@ def _complete_many(ids, states, runs, versions, lock_keys, owner, token) -> bool
                 "version_times": [v[0] for _, v in versions],
                 "version_events": [v[1] for _, v in versions],
                 "lock_keys": lock_keys,
-                "owner": owner,
+                "owner": str(token),
             },
         )
         return cursor.fetchone()[0] == len(ids)
 
 
 def _process_one(event: InboundEvent, token: uuid.UUID) -> str:
-    owner = f"{token}"
-    lock_key = f"{event.source.slug}:{event.entity_id}" if event.entity_id else ""
+    owner = str(token)
+    lock_key = _entity_key(event.source.slug, event.entity_id)
     if lock_key and not entity_lock_acquire(key=lock_key, owner=owner, ttl=LOCK_TTL):
         # Another event of the same entity is being applied: try again shortly, without
         # counting it as a failure.
@@ -885,7 +892,7 @@ def _process_one(event: InboundEvent, token: uuid.UUID) -> str:
         return "entity_busy"
     released = False
     try:
-        result = _run_handlers(event, token, release=(lock_key, owner) if lock_key else None)
+        result = _run_handlers(event, token, lock_key=lock_key)
         released = result in COMMITTED  # the lock went with the handlers' commit
         return result
     finally:
@@ -897,10 +904,10 @@ def _process_one(event: InboundEvent, token: uuid.UUID) -> str:
 COMMITTED = frozenset({InboundState.PROCESSED, InboundState.SKIPPED, "stale"})
 
 
-def _run_handlers(event: InboundEvent, token: uuid.UUID, release=None) -> str:
-    """Run the event's handlers and mark it done, in one transaction; ``release`` (key,
-    owner) is an entity lock given back in that same transaction, so that a success
-    costs one commit."""
+def _run_handlers(event: InboundEvent, token: uuid.UUID, lock_key: str = "") -> str:
+    """Run the event's handlers and mark it done, in one transaction; ``lock_key`` (if
+    any) is the entity lock the lease's token holds, given back in that same
+    transaction, so that a success costs one commit."""
     scheme = get_scheme(event.source.scheme, event.source.options or None)
     request = Request(headers=event.headers, body=bytes(event.body))
     parsed = ParsedEvent(
@@ -916,7 +923,7 @@ def _run_handlers(event: InboundEvent, token: uuid.UUID, release=None) -> str:
         attempt=event.attempt_count,
     )
     registrations = handlers_for(event.source.slug, event.event_type)
-    version_key = f"{event.source.slug}:{event.entity_id}" if event.entity_id else ""
+    version_key = _entity_key(event.source.slug, event.entity_id)
     started = timezone.now()
     try:
         with transaction.atomic():
@@ -941,7 +948,7 @@ def _run_handlers(event: InboundEvent, token: uuid.UUID, release=None) -> str:
             if not registrations:
                 runs.append(_run_row(event, "", started, "no_handler"))
             final = InboundState.PROCESSED if ran else InboundState.SKIPPED
-            if not _complete(event, token, final, runs, release):
+            if not _complete(event, token, final, runs, lock_key):
                 # The lease was lost (expired and taken over): undo, the owner applies it.
                 raise _LeaseLost
     except _LeaseLost:
@@ -1046,20 +1053,21 @@ def _record_failure(event, token, started, exc) -> None:
     )
 
 
-def _complete(event, token, state, runs: list, release) -> bool:
+def _complete(event, token, state, runs: list, lock_key: str) -> bool:
     """Record ``runs``, mark ``event`` ``state`` and give back the entity lock
-    ``release`` (key, owner), if the lease is still ours; False when it was lost."""
+    ``lock_key`` (if any) the token holds, if the lease is still ours; False when it was
+    lost."""
     if connection.vendor != "postgresql":
         HandlerRun.objects.bulk_create(runs)
         if not _finish(event, token, state=state):
             return False
-        if release is not None:
-            entity_lock_release(key=release[0], owner=release[1])
+        if lock_key:
+            entity_lock_release(key=lock_key, owner=str(token))
         return True
-    key, owner = release if release is not None else ("", "")
+    lock_keys = [lock_key] if lock_key else []
     rows = [(event.id, r.handler, r.attempt, r.started_at, r.duration_ms, r.outcome) for r in runs]
     # The version was advanced before the handlers (_advance_version): none to move here.
-    return _complete_many([event.id], [state], rows, [], [key] if key else [], owner, token)
+    return _complete_many([event.id], [state], rows, [], lock_keys, token)
 
 
 def _finish(
