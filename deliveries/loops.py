@@ -7,6 +7,7 @@ and SIGINT finish the unit under way, then stop.
 """
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -248,6 +249,25 @@ def _mark_published(ids: list[int], now) -> None:
 
 
 # --- The loop ----------------------------------------------------------------------------
+
+# Young-generation collections run after this many net container allocations. A worker
+# holds about 25,000 young objects for its 256 requests in flight; at CPython's default of
+# 700 every collection walks them again (a fifth of a worker's CPU, measured with perf).
+GC_YOUNG_THRESHOLD = 50_000
+
+
+def settle_heap() -> None:
+    """Tune the garbage collector for a long-running loop process, once its start-up is
+    done: move everything alive now (Django, the models, the settings) out of the
+    collector's sight with ``gc.freeze()``, and collect the young generation less often.
+
+    Reference counting still frees acyclic garbage at once; only cycles wait longer. For
+    process entry points only: the frozen objects are never collected, so a test process
+    calling this would keep whatever it froze.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 100)
 
 
 class StopFlag:

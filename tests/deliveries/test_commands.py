@@ -1,6 +1,7 @@
 """The management commands as real processes: cron-style --once runs, run records,
 SIGTERM finishing in-flight work, create_tenant and delivery_status output."""
 
+import gc
 import signal
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from django.core.management import call_command
 from django.utils import timezone
 
 from deliveries import services
@@ -70,6 +72,40 @@ def test_once_runs_record_what_they_did(tenant):
     run = LoopRun.objects.get(kind="scheduler")
     assert run.finished_at is not None
     assert run.counts["enqueued"] == 1
+
+
+def test_a_loop_process_freezes_its_start_up_heap_and_collects_less_often():
+    code = (
+        "import gc, django; django.setup();"
+        "from deliveries.loops import GC_YOUNG_THRESHOLD, settle_heap;"
+        "before = gc.get_freeze_count(); settle_heap();"
+        "print(before, gc.get_freeze_count(), gc.get_threshold()[0] == GC_YOUNG_THRESHOLD)"
+    )
+    env = subprocess_env(DJANGO_SETTINGS_MODULE="project.settings")
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True
+    )
+
+    assert result.returncode == 0, result.stderr
+    before, after, tuned = result.stdout.split()
+    assert int(before) == 0
+    assert int(after) > 10_000  # Django, the models and the settings, out of the GC's sight
+    assert tuned == "True"
+
+
+def test_once_and_until_idle_runs_leave_the_collector_alone(tenant):
+    # They are what tests and cron call; a test process must not freeze its heap.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    thresholds, frozen = gc.get_threshold(), gc.get_freeze_count()
+    try:
+        call_command("run_scheduler", "--once")
+        call_command("run_relay", "--until-idle")
+        call_command("run_workers", "--until-idle")
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+    assert (gc.get_threshold(), gc.get_freeze_count()) == (thresholds, frozen)
 
 
 def test_delivery_status_explains_a_delivery(tenant):

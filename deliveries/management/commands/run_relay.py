@@ -2,7 +2,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from deliveries import broker, wakeup
-from deliveries.loops import StopFlag, relay_tick, run_loop
+from deliveries.loops import StopFlag, relay_tick, run_loop, settle_heap
 
 from ._loop import add_loop_arguments
 
@@ -17,6 +17,8 @@ class Command(BaseCommand):
         stop = StopFlag()
         stop.install()
         b = broker.broker()
+        if not (once or until_idle):
+            settle_heap()
         totals = run_loop(
             "relay",
             lambda: relay_tick(b=b),

@@ -2,7 +2,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from deliveries import wakeup
-from deliveries.loops import SchedulerPasses, StopFlag, run_loop
+from deliveries.loops import SchedulerPasses, StopFlag, run_loop, settle_heap
 
 from ._loop import add_loop_arguments
 
@@ -19,6 +19,8 @@ class Command(BaseCommand):
     def handle(self, *args, once=False, until_idle=False, **options):
         stop = StopFlag()
         stop.install()
+        if not (once or until_idle):
+            settle_heap()
         totals = run_loop(
             "scheduler",
             SchedulerPasses(),
