@@ -54,6 +54,8 @@ PEERS = {
     "Celery Redis": ("celery_peer.py", []),
 }
 BASELINE_SKIP_LOCKED = "bare SKIP LOCKED"
+# Requests in flight in the bare aiohttp loop, and per worker process in the service.
+BARE_CONCURRENCY = 256
 # The pipeline as run against the peers: one worker process per core, like the peers, and
 # the per-endpoint/tenant ceilings above the batch (the peers have none; see the docs).
 SERVICE_ENV = {
@@ -146,7 +148,11 @@ def service_pipeline(env: dict) -> "ob.Pipeline":
     concurrency; 512, the product's default, which leaves room for slow endpoints,
     cost each request more CPU in the client and the receiver here: docs/benchmarks.md)."""
     return ob.Pipeline(
-        workers=os.cpu_count() or 1, lanes=2, batch_size=500, worker_concurrency=256, env=env
+        workers=os.cpu_count() or 1,
+        lanes=2,
+        batch_size=500,
+        worker_concurrency=BARE_CONCURRENCY,
+        env=env,
     )
 
 
@@ -161,7 +167,7 @@ def scenario_throughput(ctx: dict) -> dict:
 
     for i in range(ctx["repeat"]):
         log(f"throughput {i + 1}/{ctx['repeat']}, N = {n:,}")
-        bare = ob.run_bare(receiver, n, 256)
+        bare = ob.run_bare(receiver, n, BARE_CONCURRENCY)
         bare["wall_per_second"] = bare["per_second"]
         bare["per_second"] = receiver_rate(receiver.counts(), n)
         add("bare aiohttp loop", bare)
@@ -911,11 +917,14 @@ def versions(ctx: dict) -> dict:
     out["django-q2 Redis"] = f"django-q2 {v('django-q2')}, redis-py {v('redis')}"
     out["procrastinate"] = f"procrastinate {v('procrastinate')}"
     out["Celery Redis"] = f"celery {v('celery')}, kombu {v('kombu')}"
-    out["bare aiohttp loop"] = f"aiohttp {v('aiohttp')}, 256 in flight"
+    out["bare aiohttp loop"] = f"aiohttp {v('aiohttp')}, {BARE_CONCURRENCY} in flight"
     out[BASELINE_SKIP_LOCKED] = f"psycopg {v('psycopg')} + aiohttp"
+    p = service_pipeline(SERVICE_ENV)
     out["service"] = (
-        f"{os.cpu_count()} run_workers (--lanes 2 --batch-size 500 --concurrency 256), "
-        "ceilings 5,000, pages 2,000"
+        f"{p.workers} run_workers (--lanes {p.lanes} --batch-size {p.batch_size} "
+        f"--concurrency {p.worker_concurrency}), "
+        f"ceilings {int(p.env['DELIVERY_ENDPOINT_MAX_CONCURRENCY']):,}, "
+        f"pages {int(p.env['SCHEDULER_PAGE_SIZE']):,}"
     )
     out["gunicorn"] = v("gunicorn")
     out["matplotlib"] = v("matplotlib")

@@ -2,9 +2,9 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from deliveries import broker, wakeup
-from deliveries.loops import StopFlag, relay_tick, run_loop, settle_heap
+from deliveries.loops import StopFlag, relay_tick, run_loop
 
-from ._loop import add_loop_arguments
+from ._loop import add_loop_arguments, settle_if_long_running
 
 
 class Command(BaseCommand):
@@ -17,8 +17,7 @@ class Command(BaseCommand):
         stop = StopFlag()
         stop.install()
         b = broker.broker()
-        if not (once or until_idle):
-            settle_heap()
+        settle_if_long_running(once=once, until_idle=until_idle)
         totals = run_loop(
             "relay",
             lambda: relay_tick(b=b),

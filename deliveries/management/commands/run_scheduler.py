@@ -2,9 +2,9 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from deliveries import wakeup
-from deliveries.loops import SchedulerPasses, StopFlag, run_loop, settle_heap
+from deliveries.loops import SchedulerPasses, StopFlag, run_loop
 
-from ._loop import add_loop_arguments
+from ._loop import add_loop_arguments, settle_if_long_running
 
 
 class Command(BaseCommand):
@@ -19,8 +19,7 @@ class Command(BaseCommand):
     def handle(self, *args, once=False, until_idle=False, **options):
         stop = StopFlag()
         stop.install()
-        if not (once or until_idle):
-            settle_heap()
+        settle_if_long_running(once=once, until_idle=until_idle)
         totals = run_loop(
             "scheduler",
             SchedulerPasses(),

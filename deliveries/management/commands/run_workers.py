@@ -4,10 +4,10 @@ import signal
 
 from django.core.management.base import BaseCommand
 
-from deliveries.loops import StopFlag, save_run, settle_heap, start_run, with_db_retry
+from deliveries.loops import StopFlag, save_run, start_run, with_db_retry
 from deliveries.worker import Worker
 
-from ._loop import add_loop_arguments
+from ._loop import add_loop_arguments, settle_if_long_running
 
 logger = logging.getLogger("deliveries.worker")
 
@@ -59,8 +59,7 @@ class Command(BaseCommand):
                 stopped.set()
             return await worker.run(stop=stopped, once=once, until_idle=until_idle)
 
-        if not (once or until_idle):
-            settle_heap()
+        settle_if_long_running(once=once, until_idle=until_idle)
         logger.info("workers started", extra={"action": "workers.start", "run_id": str(run.id)})
         counts = asyncio.run(main())
         run.ticks = counts.get("messages", 0)
