@@ -393,6 +393,27 @@ class Pipeline:
         return out
 
 
+@dataclass
+class FloorPipeline:
+    """bench/floor.py's processes in the service's places: the service's statements with
+    the least Python around them (one scheduler, one relay, ``workers`` worker processes
+    of ``lanes`` connections taking ``batch`` messages each)."""
+
+    workers: int
+    lanes: int = 2
+    batch: int = 128
+    env: dict = field(default_factory=dict)
+
+    def commands(self) -> list[tuple[str, list[str]]]:
+        floor = [sys.executable, str(ROOT / "bench" / "floor.py")]
+        worker = [*floor, "worker", "--lanes", str(self.lanes), "--batch", str(self.batch)]
+        return [
+            ("floor-scheduler", [*floor, "scheduler"]),
+            ("floor-relay", [*floor, "relay"]),
+            *[(f"floor-workers{i}", worker) for i in range(self.workers)],
+        ]
+
+
 def publish(n: int, url: str) -> dict:
     from django.db import transaction
 
@@ -753,7 +774,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per drain")
     parser.add_argument("--db-name", default="webhooks_bench")
     parser.add_argument("--receiver-cpu", type=int, default=None, help="pin the receiver")
-    parser.add_argument("--only", choices=("bare", "service"), default=None)
+    parser.add_argument("--only", choices=("bare", "service", "floor"), default=None)
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run bench/floor.py (the service's statements, bare) after the service",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "outbound.json")
     parser.add_argument(
         "--py-spy",
@@ -816,36 +842,49 @@ def main(argv: list[str] | None = None) -> int:
         "target_events": 20_000,
         "bare": [],
         "service": [],
+        "floor": [],
     }
     reuse = args.reuse_published and snapshot_events() == args.events
     result["publish_reused_from_earlier_invocation"] = reuse
     try:
+
+        def drain(i: int, which, *, first_publishes: bool) -> dict:
+            run = run_service(
+                receiver,
+                args.events,
+                which,
+                db_name=args.db_name,
+                base_url=base_url,
+                timeout=args.timeout,
+                logs=logs,
+                py_spy=args.py_spy if i == args.repeat - 1 else None,
+                py_spy_mode=args.py_spy_mode,
+                fresh_publish=args.publish_every_run or (i == 0 and first_publishes),
+            )
+            published = run["publish_per_second"]
+            name = "floor" if which is not pipeline else "service"
+            result[name].append(run)
+            print(
+                f"[{i + 1}/{args.repeat}] {name}: {run['per_second']:,.0f} deliveries/s "
+                f"({run['seconds']:.1f} s"
+                + (f"; publish {published:,.0f} events/s" if published else "")
+                + f"; CPU s {json.dumps(run['cpu_seconds'])})",
+                flush=True,
+            )
+            return run
+
         for i in range(args.repeat):
             if args.only != "service":
                 bare = run_bare(receiver, args.events, args.concurrency)
                 result["bare"].append(bare)
                 print(f"[{i + 1}/{args.repeat}] bare: {bare['per_second']:,.0f} req/s", flush=True)
-            if args.only != "bare":
-                service = run_service(
-                    receiver,
-                    args.events,
-                    pipeline,
-                    db_name=args.db_name,
-                    base_url=base_url,
-                    timeout=args.timeout,
-                    logs=logs,
-                    py_spy=args.py_spy if i == args.repeat - 1 else None,
-                    py_spy_mode=args.py_spy_mode,
-                    fresh_publish=args.publish_every_run or (i == 0 and not reuse),
-                )
-                result["service"].append(service)
-                published = service["publish_per_second"]
-                print(
-                    f"[{i + 1}/{args.repeat}] service: {service['per_second']:,.0f} deliveries/s "
-                    f"({service['seconds']:.1f} s"
-                    + (f"; publish {published:,.0f} events/s" if published else "")
-                    + f"; CPU s {json.dumps(service['cpu_seconds'])})",
-                    flush=True,
+            if args.only in (None, "service"):
+                drain(i, pipeline, first_publishes=not reuse)
+            if args.only == "floor" or (args.floor and args.only is None):
+                drain(
+                    i,
+                    FloorPipeline(workers=args.workers),
+                    first_publishes=not reuse and args.only == "floor",
                 )
     except BenchError as exc:
         print(f"FAILED: {exc}\nchild logs: {logs}", file=sys.stderr)
@@ -878,7 +917,10 @@ def main(argv: list[str] | None = None) -> int:
             result["service"], "per_second_after_first_success"
         ),
         "publish_per_second": median(result["service"], "publish_per_second"),
+        "floor_per_second": median(result["floor"], "per_second") or None,
     }
+    if result["floor"] and bare_ps:
+        result["median"]["floor_ratio"] = round(result["median"]["floor_per_second"] / bare_ps, 3)
     result["meets_target"] = bool(
         result["median"]["ratio"] is not None
         and result["median"]["ratio"] >= result["target_ratio"]

@@ -12,7 +12,8 @@ run, medians, ratios, core count, load average, versions), ``results.md`` (the t
 and ``results.png`` (the chart). Scenarios (see docs/benchmarks.md):
 
 * ``throughput``: N signed 1 KiB deliveries to the receiver by the bare aiohttp loop, a
-  bare SKIP LOCKED queue, the service, and each peer (bench/peers/); rate = N over the
+  bare SKIP LOCKED queue, the service, the statements floor (bench/floor.py: the
+  service's SQL without the service's Python) and each peer (bench/peers/); rate = N over the
   receiver's first-to-last arrival, ratios taken within each repeat;
 * ``latency``: the service running, an open-model publisher publishing at fixed rates;
   latency = the receiver's first arrival of each delivery minus its scheduled time;
@@ -54,6 +55,7 @@ PEERS = {
     "Celery Redis": ("celery_peer.py", []),
 }
 BASELINE_SKIP_LOCKED = "bare SKIP LOCKED"
+BASELINE_FLOOR = "statements floor"
 # Requests in flight in the bare aiohttp loop, and per worker process in the service.
 BARE_CONCURRENCY = 256
 # The pipeline as run against the peers: one worker process per core, like the peers, and
@@ -187,6 +189,21 @@ def scenario_throughput(ctx: dict) -> dict:
         service["wall_per_second"] = service["per_second"]
         service["per_second"] = receiver_rate(receiver.counts(), n)
         add("service", service)
+        floor = ob.run_service(
+            receiver,
+            n,
+            ob.FloorPipeline(workers=pipeline.workers),
+            db_name=ctx["db_name"],
+            base_url=ctx["base_url"],
+            timeout=ctx["timeout"],
+            logs=ctx["logs"],
+            py_spy=None,
+            fresh_publish=False,
+        )
+        floor.pop("timeline", None)
+        floor["wall_per_second"] = floor["per_second"]
+        floor["per_second"] = receiver_rate(receiver.counts(), n)
+        add(BASELINE_FLOOR, floor)
         for name, (script, extra) in PEERS.items():
             if name in ctx["skip_peers"]:
                 continue
@@ -195,10 +212,10 @@ def scenario_throughput(ctx: dict) -> dict:
     med = {name: median(r["per_second"] for r in runs) for name, runs in systems.items()}
     peers = [name for name in PEERS if name in med]
 
-    def ratio_in_run(other: str) -> float | None:
+    def ratio_in_run(other: str, of: str = "service") -> float | None:
         pairs = [
             s["per_second"] / o["per_second"]
-            for s, o in zip(systems["service"], systems[other], strict=False)
+            for s, o in zip(systems[of], systems[other], strict=False)
             if s["per_second"] and o["per_second"]
         ]
         return round(median(pairs), 3) if pairs else None
@@ -213,6 +230,8 @@ def scenario_throughput(ctx: dict) -> dict:
     ratios = {
         "service_over_bare_loop": ratio_in_run("bare aiohttp loop"),
         "service_over_skip_locked": ratio_in_run(BASELINE_SKIP_LOCKED),
+        "service_over_statements_floor": ratio_in_run(BASELINE_FLOOR),
+        "statements_floor_over_bare_loop": ratio_in_run("bare aiohttp loop", of=BASELINE_FLOOR),
         "service_over_fastest_peer": round(median(per_repeat_fastest), 3)
         if per_repeat_fastest
         else None,
@@ -723,6 +742,7 @@ def markdown(result: dict) -> str:
                 key = {
                     "bare aiohttp loop": "service_over_bare_loop",
                     BASELINE_SKIP_LOCKED: "service_over_skip_locked",
+                    BASELINE_FLOOR: "service_over_statements_floor",
                 }.get(name, f"service_over_{name}")
                 ratio = fmt(tp["ratios"].get(key), 2)
             lines.append(
@@ -739,6 +759,14 @@ def markdown(result: dict) -> str:
             f"Service: {fmt(service)}/s, bare loop {fmt(bare)}/s.",
             "",
         ]
+        floor_ratio = tp["ratios"].get("statements_floor_over_bare_loop")
+        if floor_ratio is not None:
+            lines += [
+                f"Statements floor ÷ bare loop: **{fmt(floor_ratio, 2)}**: the service's own "
+                "SQL driven by the least Python that can run it (bench/floor.py), so the most "
+                "these statements allow on this machine.",
+                "",
+            ]
     lat = result["scenarios"].get("latency")
     if lat:
         lines += [
@@ -919,6 +947,7 @@ def versions(ctx: dict) -> dict:
     out["Celery Redis"] = f"celery {v('celery')}, kombu {v('kombu')}"
     out["bare aiohttp loop"] = f"aiohttp {v('aiohttp')}, {BARE_CONCURRENCY} in flight"
     out[BASELINE_SKIP_LOCKED] = f"psycopg {v('psycopg')} + aiohttp"
+    out[BASELINE_FLOOR] = "the service's SQL from bench/floor.py: no Django, no ceilings"
     p = service_pipeline(SERVICE_ENV)
     out["service"] = (
         f"{p.workers} run_workers (--lanes {p.lanes} --batch-size {p.batch_size} "

@@ -417,8 +417,9 @@ class LoopRun(models.Model):
         indexes = [models.Index(fields=["kind", "-started_at"], name="looprun_kind_started")]
 
 
-def endpoint_timeout(endpoint: Endpoint) -> float:
-    return min(endpoint.timeout or settings.DELIVERY_TIMEOUT, settings.DELIVERY_MAX_TIMEOUT)
+def endpoint_timeout(timeout: float | None) -> float:
+    """The request timeout of an endpoint whose ``timeout`` field holds ``timeout``."""
+    return min(timeout or settings.DELIVERY_TIMEOUT, settings.DELIVERY_MAX_TIMEOUT)
 
 
 class EventType(models.Model):

@@ -352,16 +352,32 @@ def endpoint_rotate_secret(
 def active_secrets(
     endpoint_ids: Iterable[uuid.UUID], *, now: datetime
 ) -> dict[uuid.UUID, list[str]]:
-    """Signing secrets by endpoint, newest first, leaving out expired ones."""
+    """Signing secrets by endpoint, newest first, leaving out expired ones.
+
+    Workers ask for every batch they lease, so on PostgreSQL it is one prepared
+    statement (the ORM's compilation cost more than the query)."""
     found: dict[uuid.UUID, list[str]] = {}
-    for endpoint_id, secret in (
-        EndpointSecret.objects.filter(endpoint_id__in=list(endpoint_ids))
-        .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
-        .order_by("-created_at")
-        .values_list("endpoint_id", "secret")
-    ):
+    if connection.vendor == "postgresql":
+        with bound_cursor() as cursor:
+            cursor.execute(_ACTIVE_SECRETS_SQL, [list(endpoint_ids), now])
+            rows = cursor.fetchall()
+    else:
+        rows = (
+            EndpointSecret.objects.filter(endpoint_id__in=list(endpoint_ids))
+            .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
+            .order_by("-created_at")
+            .values_list("endpoint_id", "secret")
+        )
+    for endpoint_id, secret in rows:
         found.setdefault(endpoint_id, []).append(secret)
     return found
+
+
+_ACTIVE_SECRETS_SQL = """
+SELECT endpoint_id, secret FROM deliveries_endpointsecret
+WHERE endpoint_id = ANY(%s::uuid[]) AND (expires_at IS NULL OR expires_at > %s)
+ORDER BY created_at DESC
+"""
 
 
 ENDPOINT_UPDATABLE = frozenset(

@@ -766,13 +766,23 @@ def record(
 _DONE = {"lease_until": None, "lease_token": None}
 
 # Successes of a batch in one statement; RETURNING names the rows whose lease was held.
+# Their endpoints' failure clocks stop in the same statement (_update_endpoint_health's
+# rule for successes, which the portable path applies there).
 _SUCCEED_SQL = """
-UPDATE deliveries_delivery d SET state = 'succeeded', finished_at = %(now)s,
-    last_outcome = 'success', last_status_code = v.status, last_error = '',
-    lease_until = NULL, lease_token = NULL, last_attempt_at = %(now)s, updated_at = %(now)s
-FROM unnest(%(ids)s::uuid[], %(tokens)s::uuid[], %(statuses)s::int[]) AS v(id, token, status)
-WHERE d.id = v.id AND (d.state || '') = 'leased' AND d.lease_token = v.token
-RETURNING d.id
+WITH done AS (
+    UPDATE deliveries_delivery d SET state = 'succeeded', finished_at = %(now)s,
+        last_outcome = 'success', last_status_code = v.status, last_error = '',
+        lease_until = NULL, lease_token = NULL, last_attempt_at = %(now)s,
+        updated_at = %(now)s
+    FROM unnest(%(ids)s::uuid[], %(tokens)s::uuid[], %(statuses)s::int[])
+        AS v(id, token, status)
+    WHERE d.id = v.id AND (d.state || '') = 'leased' AND d.lease_token = v.token
+    RETURNING d.id, d.endpoint_id
+), healed AS (
+    UPDATE deliveries_endpoint SET failing_since = NULL
+    WHERE id IN (SELECT endpoint_id FROM done) AND failing_since IS NOT NULL
+)
+SELECT id FROM done
 """
 
 
@@ -924,8 +934,11 @@ def _update_endpoint_health(
     *, now: datetime, succeeded: set, failed: set, gone: set
 ) -> list[uuid.UUID]:
     """One success resets an endpoint's failure clock; an endpoint failing for longer
-    than DELIVERY_DISABLE_AFTER, or answering 410 Gone, is disabled."""
-    if succeeded:
+    than DELIVERY_DISABLE_AFTER, or answering 410 Gone, is disabled.
+
+    On PostgreSQL the successes' resets were made by _SUCCEED_SQL, in the statement
+    that recorded them."""
+    if succeeded and connection.vendor != "postgresql":
         Endpoint.objects.filter(id__in=succeeded, failing_since__isnull=False).update(
             failing_since=None
         )
@@ -933,10 +946,11 @@ def _update_endpoint_health(
         Endpoint.objects.filter(id__in=failed, failing_since__isnull=True).update(failing_since=now)
     window = timedelta(seconds=settings.DELIVERY_DISABLE_AFTER)
     to_disable = dict.fromkeys(gone, "the endpoint answered 410 Gone")
-    for endpoint_id in Endpoint.objects.filter(
-        id__in=failed - gone, enabled=True, failing_since__lt=now - window
-    ).values_list("id", flat=True):
-        to_disable[endpoint_id] = f"failing for more than {window}"
+    if failed - gone:
+        for endpoint_id in Endpoint.objects.filter(
+            id__in=failed - gone, enabled=True, failing_since__lt=now - window
+        ).values_list("id", flat=True):
+            to_disable[endpoint_id] = f"failing for more than {window}"
     disabled = []
     for endpoint_id, reason in to_disable.items():
         if endpoint_set_disabled(endpoint_id=endpoint_id, reason=reason, now=now):

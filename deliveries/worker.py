@@ -155,15 +155,18 @@ def _claim(messages: list[tuple[object, transport.Message]], lease_seconds: floa
     endpoint_ids = {item.endpoint_id for item in leased}
     secrets = active_secrets(endpoint_ids, now=now)
     targets = {}
-    for e in Endpoint.objects.filter(id__in=endpoint_ids):
-        targets[e.id] = Target(
-            url=e.url,
-            timeout=endpoint_timeout(e),
+    # Values, not models: a batch's endpoints are read for every batch.
+    for endpoint_id, url, timeout, headers, retry_client_errors in Endpoint.objects.filter(
+        id__in=endpoint_ids
+    ).values_list("id", "url", "timeout", "headers", "retry_client_errors"):
+        targets[endpoint_id] = Target(
+            url=url,
+            timeout=endpoint_timeout(timeout),
             headers={
-                k: str(v) for k, v in (e.headers or {}).items() if k.lower() not in PROTOCOL_HEADERS
+                k: str(v) for k, v in (headers or {}).items() if k.lower() not in PROTOCOL_HEADERS
             },
-            retry_client_errors=e.retry_client_errors,
-            secrets=tuple(secrets.get(e.id, ())),
+            retry_client_errors=retry_client_errors,
+            secrets=tuple(secrets.get(endpoint_id, ())),
         )
     return Claimed(leased=leased, targets=targets, skipped=skipped)
 

@@ -1,0 +1,260 @@
+"""The statements floor: the service's own SQL, driven by the least Python that can run it.
+
+A measurement, not a product: ``bench/outbound.py --floor`` runs it beside the bare loop
+and the service, on the same published rows, receiver and clock. It answers one
+question the throughput target raises: how fast could *any* implementation of the
+design of record go on this machine, given the writes the design makes per delivery?
+
+Each role runs the service's statements verbatim (imported from ``deliveries``), on the
+service's tables and indexes, and nothing else:
+
+* ``scheduler``: one scan of due rows (``state._SCAN_DUE_SQL``, nothing left out) and
+  one ``state._ENQUEUE_SQL`` (pending → enqueued and an outbox row each) per page;
+  no ceilings, no fairness, no in-flight count, no sweeps;
+* ``relay``: ``loops._CLAIM_OUTBOX_SQL``, the broker's ``_ENQUEUE_SQL``, then
+  ``loops._MARK_PUBLISHED_SQL`` (publication recorded after the broker took it, as the
+  design says);
+* ``worker`` (one process per core, lanes of one asyncio connection each): the broker's
+  ``_DEQUEUE_SQL``, ``state._LEASE_SQL``, a signed POST per delivery through one bare
+  ``aiohttp.ClientSession`` (no egress checks), then in one transaction the attempts by
+  COPY and ``state._SUCCEED_SQL``, then the broker's ``_ACKNOWLEDGE_SQL``. No ceilings,
+  no rate limits, no retries (any answer but 200 stops the run), no metrics, no logs.
+
+So the service's distance to this floor is what its Python costs (Django, the thread
+hop to the database, the egress checks, classification, ceilings, fairness, metrics),
+and this floor's distance to the bare loop is what the design's writes cost.
+
+    python bench/floor.py scheduler|relay|worker [--lanes N --batch N]  # DATABASE_URL set
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+IDLE_SLEEP = 0.005  # seconds between polls of an empty table
+
+
+def setup() -> None:
+    """Django only to import the service's statements and settings; then the heap is
+    frozen as the service's loops freeze theirs (deliveries.loops.settle_heap)."""
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
+    import django
+
+    django.setup()
+    from deliveries import loops
+
+    loops.settle_heap()
+
+
+def connect_url() -> str:
+    """DATABASE_URL as bench/outbound.py sets it (its application_name included)."""
+    return os.environ["DATABASE_URL"]
+
+
+# The LoopRun row bench/outbound.py waits for before it starts the clock.
+REGISTER_SQL = (
+    "INSERT INTO deliveries_looprun (id, kind, host, pid, started_at, heartbeat_at,"
+    " ticks, counts) VALUES (%s, %s, %s, %s, now(), now(), 0, '{}')"
+)
+
+
+def registration(kind: str) -> list:
+    return [uuid.uuid4(), kind, socket.gethostname()[:200], os.getpid()]
+
+
+def register(conn, kind: str) -> None:
+    conn.execute(REGISTER_SQL, registration(kind))
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+def run_scheduler(page: int) -> None:
+    import psycopg
+
+    from deliveries import state
+
+    with psycopg.connect(connect_url(), autocommit=True) as conn:
+        register(conn, "floor-sched")
+        while True:
+            with conn.transaction():
+                t = now()
+                ids = [
+                    r[0]
+                    for r in conn.execute(
+                        state._SCAN_DUE_SQL,
+                        {"now": t, "tenants": [], "endpoints": [], "limit": page},
+                    ).fetchall()
+                ]
+                if ids:
+                    conn.execute(state._ENQUEUE_SQL, {"ids": ids, "now": t})
+            if not ids:
+                time.sleep(IDLE_SLEEP)
+
+
+def run_relay(page: int) -> None:
+    import psycopg
+    from django.conf import settings
+
+    from deliveries import broker, loops
+
+    queue = settings.Q_CLUSTER["name"]
+    with psycopg.connect(connect_url(), autocommit=True) as conn:
+        register(conn, "floor-relay")
+        while True:
+            t = now()
+            rows = conn.execute(
+                loops._CLAIM_OUTBOX_SQL,
+                {"until": t + timedelta(seconds=30), "now": t, "limit": page},
+            ).fetchall()
+            if not rows:
+                time.sleep(IDLE_SLEEP)
+                continue
+            tasks = [broker.Message(r[1], r[2], r[3], r[4]).encode() for r in rows]
+            conn.execute(
+                broker._ENQUEUE_SQL, [queue, t, t, json.dumps(tasks), [r[3] for r in rows]]
+            )
+            conn.execute(loops._MARK_PUBLISHED_SQL, [now(), [r[0] for r in rows]])
+
+
+async def run_worker(lanes: int, batch: int) -> None:
+    import aiohttp
+    import psycopg
+    from django.conf import settings
+    from psycopg.types.json import Jsonb
+
+    from deliveries import broker, signing, state
+
+    queue = settings.Q_CLUSTER["name"]
+    worker_name = f"floor:{os.getpid()}"
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=lanes * batch))
+    secrets: dict = {}
+    urls: dict = {}
+
+    async def load_endpoint(conn, endpoint_id) -> None:
+        url = await (
+            await conn.execute("SELECT url FROM deliveries_endpoint WHERE id = %s", [endpoint_id])
+        ).fetchone()
+        rows = await (
+            await conn.execute(
+                "SELECT secret FROM deliveries_endpointsecret WHERE endpoint_id = %s",
+                [endpoint_id],
+            )
+        ).fetchall()
+        urls[endpoint_id] = url[0]
+        secrets[endpoint_id] = [r[0] for r in rows]
+
+    async def post(item: tuple) -> tuple:
+        delivery_id, _event_id, endpoint_id, _tenant, _type, body, number = item[:7]
+        msg_id = str(delivery_id)
+        stamp = int(time.time())
+        headers = {
+            "content-type": "application/json",
+            "webhook-id": msg_id,
+            "webhook-timestamp": str(stamp),
+            "webhook-signature": signing.signature_header(
+                secrets[endpoint_id], msg_id=msg_id, timestamp=stamp, body=body
+            ),
+            "idempotency-key": msg_id,
+        }
+        started = now()
+        t0 = time.perf_counter()
+        async with session.post(urls[endpoint_id], data=body, headers=headers) as response:
+            await response.read()
+            if response.status != 200:
+                raise RuntimeError(f"receiver answered {response.status}")
+        return (
+            delivery_id, endpoint_id, number, started, (time.perf_counter() - t0) * 1000,
+            200, "success", "", "", False, "", False, Jsonb({}), True, worker_name,
+        )  # fmt: skip
+
+    async def lane() -> None:
+        async with await psycopg.AsyncConnection.connect(connect_url(), autocommit=True) as conn:
+            while True:
+                t = now()
+                taken = await (
+                    await conn.execute(
+                        broker._DEQUEUE_SQL, [t + timedelta(seconds=60), queue, t, batch]
+                    )
+                ).fetchall()
+                if not taken:
+                    await asyncio.sleep(IDLE_SLEEP)
+                    continue
+                messages = [broker.Message.decode(r[1]) for r in taken]
+                token = uuid.uuid4()
+                leased = await (
+                    await conn.execute(
+                        state._LEASE_SQL,
+                        {
+                            "ids": [m.job_id for m in messages],
+                            "dispatches": [m.dispatch for m in messages],
+                            "until": t + timedelta(seconds=60),
+                            "token": token,
+                            "now": t,
+                        },
+                    )
+                ).fetchall()
+                for item in leased:
+                    if item[2] not in urls:
+                        await load_endpoint(conn, item[2])
+                rows = await asyncio.gather(*(post(item) for item in leased))
+                t = now()
+                async with conn.transaction():
+                    async with conn.cursor().copy(
+                        f"COPY deliveries_attempt ({', '.join(state._ATTEMPT_COLUMNS)}) FROM STDIN"
+                    ) as copy:
+                        for row in rows:
+                            await copy.write_row(row)
+                    if leased:
+                        await conn.execute(
+                            state._SUCCEED_SQL,
+                            {
+                                "now": t,
+                                "ids": [r[0] for r in leased],
+                                "tokens": [token] * len(leased),
+                                "statuses": [200] * len(leased),
+                            },
+                        )
+                await conn.execute(broker._ACKNOWLEDGE_SQL, [[r[0] for r in taken]])
+
+    async with await psycopg.AsyncConnection.connect(connect_url(), autocommit=True) as conn:
+        await conn.execute(REGISTER_SQL, registration("floor-worker"))
+    try:
+        await asyncio.gather(*(lane() for _ in range(lanes)))
+    finally:
+        await session.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("role", choices=("scheduler", "relay", "worker"))
+    parser.add_argument("--page", type=int, default=2000, help="scheduler and relay page")
+    parser.add_argument("--lanes", type=int, default=2, help="worker: connections")
+    parser.add_argument("--batch", type=int, default=128, help="worker: messages per lane")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    setup()
+    if args.role == "scheduler":
+        run_scheduler(args.page)
+    elif args.role == "relay":
+        run_relay(args.page)
+    else:
+        asyncio.run(run_worker(args.lanes, args.batch))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
