@@ -719,6 +719,12 @@ def markdown(result: dict) -> str:
         f"N = {result['events']:,} events, {cpus} CPUs; target ratio >= "
         f"{result['target_ratio']} with N >= {result['target_events']:,}: {verdict}."
     )
+    if result["floor"]:
+        m = result["median"]
+        rows.append(
+            f"Statements floor (bench/floor.py: the service's SQL, the least Python): "
+            f"{m['floor_per_second']:,.0f}/s, {m['floor_ratio']:.2f} of the bare loop."
+        )
     busy = [foreign_share(r, cpus) for r in result["bare"] + result["service"]]
     if max(busy) > 0.1:
         rows.append(
