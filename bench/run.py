@@ -870,7 +870,11 @@ def chart(result: dict, path: Path) -> None:
         if key == "throughput":
             items = sorted(scen[key]["median_per_second"].items(), key=lambda kv: kv[1] or 0)
             colors = [
-                "tab:red" if n == "service" else "tab:gray" if n.startswith("bare") else "tab:blue"
+                "tab:red"
+                if n == "service"
+                else "tab:gray"
+                if n.startswith("bare") or n == BASELINE_FLOOR
+                else "tab:blue"
                 for n, _ in items
             ]
             ax.barh([n for n, _ in items], [v or 0 for _, v in items], color=colors)
