@@ -38,6 +38,7 @@ import socket
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -130,35 +131,120 @@ def run_relay(page: int) -> None:
             conn.execute(loops._MARK_PUBLISHED_SQL, [now(), [r[0] for r in rows]])
 
 
-async def run_worker(lanes: int, batch: int) -> None:
+# The worker's database work, written once as generators of steps that a driver runs:
+# ("query", sql, params) answers the rows, ("copy", sql, rows) answers None. The async
+# driver runs them on an asyncio connection in the event loop (the floor); the thread
+# driver on a blocking connection in a thread pool, one trip per generator, as the
+# service's worker runs Django's (``--db-thread``: what that way costs).
+
+
+def take_steps(queue: str, batch: int):
+    """Dequeue and lease a batch: (taken, leased, token), or None when the queue is empty."""
+    from deliveries import broker, state
+
+    t = now()
+    until = t + timedelta(seconds=60)
+    taken = yield ("query", broker._DEQUEUE_SQL, [until, queue, t, batch])
+    if not taken:
+        return None
+    messages = [broker.Message.decode(r[1]) for r in taken]
+    token = uuid.uuid4()
+    params = {
+        "ids": [m.job_id for m in messages],
+        "dispatches": [m.dispatch for m in messages],
+        "until": until,
+        "token": token,
+        "now": t,
+    }
+    leased = yield ("query", state._LEASE_SQL, params)
+    return taken, leased, token
+
+
+def record_steps(taken: list, leased: list, token, rows: list):
+    """The attempts and the successes in one transaction, then the acknowledgement."""
+    from deliveries import broker, state
+
+    yield ("query", "BEGIN", None)
+    yield (
+        "copy",
+        f"COPY deliveries_attempt ({', '.join(state._ATTEMPT_COLUMNS)}) FROM STDIN",
+        rows,
+    )
+    if leased:
+        ids = [r[0] for r in leased]
+        statuses = [200] * len(leased)
+        params = {"now": now(), "ids": ids, "tokens": [token] * len(ids), "statuses": statuses}
+        yield ("query", state._SUCCEED_SQL, params)
+    yield ("query", "COMMIT", None)
+    yield ("query", broker._ACKNOWLEDGE_SQL, [[r[0] for r in taken]])
+
+
+def endpoint_steps(endpoint_id):
+    url = yield ("query", "SELECT url FROM deliveries_endpoint WHERE id = %s", [endpoint_id])
+    sql = "SELECT secret FROM deliveries_endpointsecret WHERE endpoint_id = %s"
+    secrets = yield ("query", sql, [endpoint_id])
+    return url[0][0], [r[0] for r in secrets]
+
+
+async def run_async(conn, steps):
+    answer = None
+    while True:
+        try:
+            kind, sql, params = steps.send(answer)
+        except StopIteration as done:
+            return done.value
+        cursor = conn.cursor()
+        if kind == "copy":
+            async with cursor.copy(sql) as copy:
+                for row in params:
+                    await copy.write_row(row)
+            answer = None
+        else:
+            await cursor.execute(sql, params)
+            answer = await cursor.fetchall() if cursor.description else None
+
+
+def run_blocking(conn, steps):
+    answer = None
+    while True:
+        try:
+            kind, sql, params = steps.send(answer)
+        except StopIteration as done:
+            return done.value
+        cursor = conn.cursor()
+        if kind == "copy":
+            with cursor.copy(sql) as copy:
+                for row in params:
+                    copy.write_row(row)
+            answer = None
+        else:
+            cursor.execute(sql, params)
+            answer = cursor.fetchall() if cursor.description else None
+
+
+async def run_worker(lanes: int, batch: int, *, egress: bool, db_thread: bool) -> None:
     import aiohttp
     import psycopg
     from django.conf import settings
     from psycopg.types.json import Jsonb
 
-    from deliveries import broker, signing, state
+    from deliveries import signing
 
     queue = settings.Q_CLUSTER["name"]
     worker_name = f"floor:{os.getpid()}"
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=lanes * batch))
+    if egress:
+        from deliveries.egress import EgressSession
+
+        client = EgressSession(pool_size=lanes * batch)
+    else:
+        client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=lanes * batch))
     secrets: dict = {}
     urls: dict = {}
+    loop = asyncio.get_running_loop()
+    pool = ThreadPoolExecutor(max_workers=lanes) if db_thread else None
 
-    async def load_endpoint(conn, endpoint_id) -> None:
-        url = await (
-            await conn.execute("SELECT url FROM deliveries_endpoint WHERE id = %s", [endpoint_id])
-        ).fetchone()
-        rows = await (
-            await conn.execute(
-                "SELECT secret FROM deliveries_endpointsecret WHERE endpoint_id = %s",
-                [endpoint_id],
-            )
-        ).fetchall()
-        urls[endpoint_id] = url[0]
-        secrets[endpoint_id] = [r[0] for r in rows]
-
-    async def post(item: tuple) -> tuple:
-        delivery_id, _event_id, endpoint_id, _tenant, _type, body, number = item[:7]
+    async def send(item: tuple) -> None:
+        delivery_id, endpoint_id, body = item[0], item[2], item[5]
         msg_id = str(delivery_id)
         stamp = int(time.time())
         headers = {
@@ -170,72 +256,57 @@ async def run_worker(lanes: int, batch: int) -> None:
             ),
             "idempotency-key": msg_id,
         }
+        if egress:
+            response = await client.post(urls[endpoint_id], body=body, headers=headers, timeout=10)
+            status = response.status
+        else:
+            async with client.post(urls[endpoint_id], data=body, headers=headers) as answer:
+                await answer.read()
+                status = answer.status
+        if status != 200:
+            raise RuntimeError(f"receiver answered {status}")
+
+    async def post(item: tuple) -> tuple:
         started = now()
         t0 = time.perf_counter()
-        async with session.post(urls[endpoint_id], data=body, headers=headers) as response:
-            await response.read()
-            if response.status != 200:
-                raise RuntimeError(f"receiver answered {response.status}")
+        await send(item)
         return (
-            delivery_id, endpoint_id, number, started, (time.perf_counter() - t0) * 1000,
+            item[0], item[2], item[6], started, (time.perf_counter() - t0) * 1000,
             200, "success", "", "", False, "", False, Jsonb({}), True, worker_name,
         )  # fmt: skip
 
     async def lane() -> None:
-        async with await psycopg.AsyncConnection.connect(connect_url(), autocommit=True) as conn:
-            while True:
-                t = now()
-                taken = await (
-                    await conn.execute(
-                        broker._DEQUEUE_SQL, [t + timedelta(seconds=60), queue, t, batch]
-                    )
-                ).fetchall()
-                if not taken:
-                    await asyncio.sleep(IDLE_SLEEP)
-                    continue
-                messages = [broker.Message.decode(r[1]) for r in taken]
-                token = uuid.uuid4()
-                leased = await (
-                    await conn.execute(
-                        state._LEASE_SQL,
-                        {
-                            "ids": [m.job_id for m in messages],
-                            "dispatches": [m.dispatch for m in messages],
-                            "until": t + timedelta(seconds=60),
-                            "token": token,
-                            "now": t,
-                        },
-                    )
-                ).fetchall()
-                for item in leased:
-                    if item[2] not in urls:
-                        await load_endpoint(conn, item[2])
-                rows = await asyncio.gather(*(post(item) for item in leased))
-                t = now()
-                async with conn.transaction():
-                    async with conn.cursor().copy(
-                        f"COPY deliveries_attempt ({', '.join(state._ATTEMPT_COLUMNS)}) FROM STDIN"
-                    ) as copy:
-                        for row in rows:
-                            await copy.write_row(row)
-                    if leased:
-                        await conn.execute(
-                            state._SUCCEED_SQL,
-                            {
-                                "now": t,
-                                "ids": [r[0] for r in leased],
-                                "tokens": [token] * len(leased),
-                                "statuses": [200] * len(leased),
-                            },
-                        )
-                await conn.execute(broker._ACKNOWLEDGE_SQL, [[r[0] for r in taken]])
+        if db_thread:
+            conn = await loop.run_in_executor(
+                pool, lambda: psycopg.connect(connect_url(), autocommit=True)
+            )
+
+            async def run(steps):
+                return await loop.run_in_executor(pool, run_blocking, conn, steps)
+        else:
+            conn = await psycopg.AsyncConnection.connect(connect_url(), autocommit=True)
+
+            async def run(steps):
+                return await run_async(conn, steps)
+
+        while True:
+            took = await run(take_steps(queue, batch))
+            if took is None:
+                await asyncio.sleep(IDLE_SLEEP)
+                continue
+            taken, leased, token = took
+            for item in leased:
+                if item[2] not in urls:
+                    urls[item[2]], secrets[item[2]] = await run(endpoint_steps(item[2]))
+            rows = await asyncio.gather(*(post(item) for item in leased))
+            await run(record_steps(taken, leased, token, rows))
 
     async with await psycopg.AsyncConnection.connect(connect_url(), autocommit=True) as conn:
         await conn.execute(REGISTER_SQL, registration("floor-worker"))
     try:
         await asyncio.gather(*(lane() for _ in range(lanes)))
     finally:
-        await session.close()
+        await client.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,6 +315,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page", type=int, default=2000, help="scheduler and relay page")
     parser.add_argument("--lanes", type=int, default=2, help="worker: connections")
     parser.add_argument("--batch", type=int, default=128, help="worker: messages per lane")
+    parser.add_argument(
+        "--egress", action="store_true", help="worker: post through deliveries.egress"
+    )
+    parser.add_argument(
+        "--db-thread",
+        action="store_true",
+        help="worker: blocking connections in a thread pool, as the service's worker",
+    )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     setup()
@@ -252,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.role == "relay":
         run_relay(args.page)
     else:
-        asyncio.run(run_worker(args.lanes, args.batch))
+        asyncio.run(
+            run_worker(args.lanes, args.batch, egress=args.egress, db_thread=args.db_thread)
+        )
     return 0
 
 

@@ -402,11 +402,13 @@ class FloorPipeline:
     workers: int
     lanes: int = 2
     batch: int = 128
+    options: tuple[str, ...] = ()  # floor.py worker flags: "egress", "db-thread"
     env: dict = field(default_factory=dict)
 
     def commands(self) -> list[tuple[str, list[str]]]:
         floor = [sys.executable, str(ROOT / "bench" / "floor.py")]
         worker = [*floor, "worker", "--lanes", str(self.lanes), "--batch", str(self.batch)]
+        worker += [f"--{option}" for option in self.options]
         return [
             ("floor-scheduler", [*floor, "scheduler"]),
             ("floor-relay", [*floor, "relay"]),
@@ -786,6 +788,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run bench/floor.py (the service's statements, bare) after the service",
     )
+    parser.add_argument(
+        "--floor-option",
+        action="append",
+        default=[],
+        choices=("egress", "db-thread"),
+        help="the floor's workers post through deliveries.egress, or run their statements "
+        "on blocking connections in a thread pool, as the service's worker does",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "outbound.json")
     parser.add_argument(
         "--py-spy",
@@ -889,7 +899,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.only == "floor" or (args.floor and args.only is None):
                 drain(
                     i,
-                    FloorPipeline(workers=args.workers),
+                    FloorPipeline(workers=args.workers, options=tuple(args.floor_option)),
                     first_publishes=not reuse and args.only == "floor",
                 )
     except BenchError as exc:

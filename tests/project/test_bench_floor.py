@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 EVENTS = 40
 
 
-def test_the_floor_leaves_what_the_service_leaves(tenant, receiver):
+@pytest.mark.parametrize("worker_options", [[], ["--egress", "--db-thread"]])
+def test_the_floor_leaves_what_the_service_leaves(tenant, receiver, worker_options):
     endpoint, _ = services.endpoint_create(tenant=tenant, url=receiver.url("/floor"))
     secret = EndpointSecret.objects.get(endpoint=endpoint).secret
     for i in range(EVENTS):
@@ -35,7 +36,11 @@ def test_the_floor_leaves_what_the_service_leaves(tenant, receiver):
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
-        for role in (["scheduler"], ["relay"], ["worker", "--lanes", "2", "--batch", "8"])
+        for role in (
+            ["scheduler"],
+            ["relay"],
+            ["worker", "--lanes", "2", "--batch", "8", *worker_options],
+        )
     ]
     try:
         deadline = time.monotonic() + 60
