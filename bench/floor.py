@@ -180,10 +180,12 @@ def record_steps(taken: list, leased: list, token, rows: list):
 
 
 def endpoint_steps(endpoint_id):
+    """The endpoint's URL and active secrets (the service's statement), once per process."""
+    from deliveries import services
+
     url = yield ("query", "SELECT url FROM deliveries_endpoint WHERE id = %s", [endpoint_id])
-    sql = "SELECT secret FROM deliveries_endpointsecret WHERE endpoint_id = %s"
-    secrets = yield ("query", sql, [endpoint_id])
-    return url[0][0], [r[0] for r in secrets]
+    secrets = yield ("query", services._ACTIVE_SECRETS_SQL, [[endpoint_id], now()])
+    return url[0][0], [r[1] for r in secrets]
 
 
 async def run_async(conn, steps):

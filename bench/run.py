@@ -167,6 +167,25 @@ def scenario_throughput(ctx: dict) -> dict:
         systems.setdefault(name, []).append(run)
         log(f"  {name}: {run['per_second'] or 0:,.0f}/s")
 
+    def drain(which, *, fresh_publish: bool) -> dict:
+        """The service's pipeline (or the floor's) on the published rows, its rate taken
+        at the receiver like every other system's."""
+        run = ob.run_service(
+            receiver,
+            n,
+            which,
+            db_name=ctx["db_name"],
+            base_url=ctx["base_url"],
+            timeout=ctx["timeout"],
+            logs=ctx["logs"],
+            py_spy=None,
+            fresh_publish=fresh_publish,
+        )
+        run.pop("timeline", None)
+        run["wall_per_second"] = run["per_second"]
+        run["per_second"] = receiver_rate(receiver.counts(), n)
+        return run
+
     for i in range(ctx["repeat"]):
         log(f"throughput {i + 1}/{ctx['repeat']}, N = {n:,}")
         bare = ob.run_bare(receiver, n, BARE_CONCURRENCY)
@@ -174,36 +193,8 @@ def scenario_throughput(ctx: dict) -> dict:
         bare["per_second"] = receiver_rate(receiver.counts(), n)
         add("bare aiohttp loop", bare)
         add(BASELINE_SKIP_LOCKED, run_peer(BASELINE_SKIP_LOCKED, "skiplocked.py", [], n, ctx))
-        service = ob.run_service(
-            receiver,
-            n,
-            pipeline,
-            db_name=ctx["db_name"],
-            base_url=ctx["base_url"],
-            timeout=ctx["timeout"],
-            logs=ctx["logs"],
-            py_spy=None,
-            fresh_publish=(i == 0),
-        )
-        service.pop("timeline", None)
-        service["wall_per_second"] = service["per_second"]
-        service["per_second"] = receiver_rate(receiver.counts(), n)
-        add("service", service)
-        floor = ob.run_service(
-            receiver,
-            n,
-            ob.FloorPipeline(workers=pipeline.workers),
-            db_name=ctx["db_name"],
-            base_url=ctx["base_url"],
-            timeout=ctx["timeout"],
-            logs=ctx["logs"],
-            py_spy=None,
-            fresh_publish=False,
-        )
-        floor.pop("timeline", None)
-        floor["wall_per_second"] = floor["per_second"]
-        floor["per_second"] = receiver_rate(receiver.counts(), n)
-        add(BASELINE_FLOOR, floor)
+        add("service", drain(pipeline, fresh_publish=(i == 0)))
+        add(BASELINE_FLOOR, drain(ob.FloorPipeline(workers=pipeline.workers), fresh_publish=False))
         for name, (script, extra) in PEERS.items():
             if name in ctx["skip_peers"]:
                 continue

@@ -769,10 +769,7 @@ def record(
         _append_attempts(results, held)
         succeeded_endpoints = {r.leased.endpoint_id for r in successes if r.leased.id in held}
         summary.disabled_endpoints = _update_endpoint_health(
-            now=now,
-            succeeded=succeeded_endpoints,
-            failed=failing - succeeded_endpoints,
-            gone=gone,
+            now=now, failed=failing - succeeded_endpoints, gone=gone
         )
         if held:  # slots under the ceilings freed: the scheduler may admit more
             wakeup.notify(wakeup.FREED)
@@ -782,8 +779,7 @@ def record(
 _DONE = {"lease_until": None, "lease_token": None}
 
 # Successes of a batch in one statement; RETURNING names the rows whose lease was held.
-# Their endpoints' failure clocks stop in the same statement (_update_endpoint_health's
-# rule for successes, which the portable path applies there).
+# One success stops its endpoint's failure clock, in the same statement.
 _SUCCEED_SQL = """
 WITH done AS (
     UPDATE deliveries_delivery d SET state = 'succeeded', finished_at = %(now)s,
@@ -803,6 +799,8 @@ SELECT id FROM done
 
 
 def _finish_successes(successes: Sequence[AttemptResult], now: datetime) -> set[uuid.UUID]:
+    """``leased → succeeded`` for the successes whose lease is still held (returned), and
+    their endpoints' failure clocks reset (_update_endpoint_health starts them)."""
     if connection.vendor == "postgresql":
         with bound_cursor() as cursor:
             cursor.execute(
@@ -831,6 +829,10 @@ def _finish_successes(successes: Sequence[AttemptResult], now: datetime) -> set[
             updated_at=now,
             **_DONE,
         )
+    Endpoint.objects.filter(
+        id__in={r.leased.endpoint_id for r in successes if r.leased.id in held},
+        failing_since__isnull=False,
+    ).update(failing_since=None)
     return held
 
 
@@ -946,18 +948,10 @@ def _append_attempts(results: Sequence[AttemptResult], held: set) -> None:
     )
 
 
-def _update_endpoint_health(
-    *, now: datetime, succeeded: set, failed: set, gone: set
-) -> list[uuid.UUID]:
-    """One success resets an endpoint's failure clock; an endpoint failing for longer
-    than DELIVERY_DISABLE_AFTER, or answering 410 Gone, is disabled.
-
-    On PostgreSQL the successes' resets were made by _SUCCEED_SQL, in the statement
-    that recorded them."""
-    if succeeded and connection.vendor != "postgresql":
-        Endpoint.objects.filter(id__in=succeeded, failing_since__isnull=False).update(
-            failing_since=None
-        )
+def _update_endpoint_health(*, now: datetime, failed: set, gone: set) -> list[uuid.UUID]:
+    """Failing endpoints start their failure clock (a success stops it:
+    _finish_successes); an endpoint failing for longer than DELIVERY_DISABLE_AFTER, or
+    answering 410 Gone, is disabled."""
     if failed:
         Endpoint.objects.filter(id__in=failed, failing_since__isnull=True).update(failing_since=now)
     window = timedelta(seconds=settings.DELIVERY_DISABLE_AFTER)
