@@ -158,6 +158,34 @@ def service_pipeline(env: dict) -> "ob.Pipeline":
     )
 
 
+def statements_ceiling(bare: dict, drains: list[dict], n: int, cores: int) -> dict | None:
+    """The most the design's statements leave of the bare loop, from CPU alone.
+
+    Any implementation pays per delivery at least what the bare loop pays per request (its
+    client and the receiver) plus what PostgreSQL spends per delivery running the design's
+    statements: the least of ``drains`` (the service's run and the floor's, same repeat).
+    With every core busy, that caps the rate at cores / (the two together). The estimate
+    flatters the ceiling: it charges nothing for the scheduler's and relay's Python, for
+    the workers' Python beyond a bare client, or for the kernel."""
+    bare_cpu = bare.get("cpu_seconds") or {}
+    postgres = [
+        d["cpu_seconds"]["postgres_all"]
+        for d in drains
+        if (d.get("cpu_seconds") or {}).get("postgres_all")
+    ]
+    if not (bare_cpu and postgres and bare.get("per_second")):
+        return None
+    request_us = (bare_cpu["client"] + bare_cpu["receiver"]) * 1e6 / n
+    postgres_us = min(postgres) * 1e6 / n
+    per_second = cores * 1e6 / (request_us + postgres_us)
+    return {
+        "bare_request_cpu_us": round(request_us, 1),
+        "postgres_cpu_us": round(postgres_us, 1),
+        "per_second": round(per_second, 1),
+        "over_bare_loop": round(per_second / bare["per_second"], 3),
+    }
+
+
 def scenario_throughput(ctx: dict) -> dict:
     n, receiver = ctx["events"], ctx["receiver"]
     pipeline = service_pipeline(dict(SERVICE_ENV))
@@ -212,6 +240,12 @@ def scenario_throughput(ctx: dict) -> dict:
         return round(median(pairs), 3) if pairs else None
 
     fastest = max(peers, key=lambda p: med[p] or 0) if peers else None
+    drains = zip(systems["service"], systems.get(BASELINE_FLOOR, []), strict=False)
+    ceilings = [
+        c
+        for bare, drained in zip(systems["bare aiohttp loop"], drains, strict=False)
+        if (c := statements_ceiling(bare, list(drained), n, os.cpu_count() or 1))
+    ]
     # The fastest peer of each repeat, then the service's ratio to it in that repeat.
     per_repeat_fastest = []
     for i, s in enumerate(systems["service"]):
@@ -239,6 +273,11 @@ def scenario_throughput(ctx: dict) -> dict:
         "median_per_second": med,
         "fastest_peer": fastest,
         "ratios": ratios,
+        # Per repeat, then the median of each figure (statements_ceiling).
+        "statements_ceiling": {
+            "runs": ceilings,
+            **{k: median(c[k] for c in ceilings) for k in (ceilings[0] if ceilings else {})},
+        },
         "targets": {"service_over_bare_loop": 0.5, "service_over_fastest_peer": 4.0},
         "meets": {
             "service_over_bare_loop": bool(
@@ -756,6 +795,19 @@ def markdown(result: dict) -> str:
                 f"Statements floor ÷ bare loop: **{fmt(floor_ratio, 2)}**: the service's own "
                 "SQL driven by the least Python that can run it (bench/floor.py), so the most "
                 "these statements allow on this machine.",
+                "",
+            ]
+        ceiling = tp.get("statements_ceiling") or {}
+        if ceiling.get("over_bare_loop") is not None:
+            lines += [
+                f"CPU ceiling of these statements: **{fmt(ceiling['over_bare_loop'], 2)}** of "
+                f"the bare loop ({fmt(ceiling['per_second'])}/s). A delivery costs at least "
+                f"the bare loop's CPU per request ({fmt(ceiling['bare_request_cpu_us'])} µs: "
+                "its client and the receiver) plus PostgreSQL's CPU per delivery, the "
+                f"lesser of the service's run and the floor's ({fmt(ceiling['postgres_cpu_us'])} "
+                "µs); "
+                f"{result['cpu_count']} cores busy all the time deliver no more than that "
+                "(nothing charged for any other Python or the kernel).",
                 "",
             ]
     lat = result["scenarios"].get("latency")
