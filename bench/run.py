@@ -793,8 +793,8 @@ def markdown(result: dict) -> str:
         if floor_ratio is not None:
             lines += [
                 f"Statements floor ÷ bare loop: **{fmt(floor_ratio, 2)}**: the service's own "
-                "SQL driven by the least Python that can run it (bench/floor.py), so the most "
-                "these statements allow on this machine.",
+                "SQL driven by the least Python that can run it (bench/floor.py), so about the "
+                "most these statements allow with Python driving them.",
                 "",
             ]
         ceiling = tp.get("statements_ceiling") or {}
@@ -921,6 +921,14 @@ def chart(result: dict, path: Path) -> None:
                 for n, _ in items
             ]
             ax.barh([n for n, _ in items], [v or 0 for _, v in items], color=colors)
+            bare = scen[key]["median_per_second"].get("bare aiohttp loop")
+            if bare:
+                ax.axvline(bare / 2, color="tab:red", linestyle="--", label="target: ½ bare loop")
+            ceiling = (scen[key].get("statements_ceiling") or {}).get("per_second")
+            if ceiling:
+                ax.axvline(ceiling, color="black", linestyle=":", label="CPU ceiling of the SQL")
+            if bare or ceiling:
+                ax.legend(loc="lower right", fontsize="small")
             ax.set_xlabel("deliveries/s (median)")
             ax.set_title(f"Outbound throughput, N = {scen[key]['events']:,}")
         elif key == "latency":
