@@ -24,6 +24,7 @@ from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 from django_q.brokers import Broker, get_broker
+from django_q.brokers.redis_broker import Redis
 
 from . import wakeup
 from .models import QueueMessage
@@ -215,12 +216,18 @@ def broker() -> Broker:
     return get_broker()
 
 
-# Uniform batch operations over any django-q2 broker: ours batches, others go one by one.
+# Uniform batch operations over any django-q2 broker: ours and django-q2's Redis broker
+# batch (a page or a batch is one round trip), others go one message at a time.
 
 
 def publish(b: Broker, messages: Sequence[Message]) -> None:
+    if not messages:
+        return
     if hasattr(b, "enqueue_many"):
         b.enqueue_many([m.encode() for m in messages], priorities=[m.priority for m in messages])
+    elif isinstance(b, Redis):
+        # django-q2's enqueue is one RPUSH per message; one RPUSH takes them all.
+        b.connection.rpush(b.list_key, *(m.encode() for m in messages))
     else:
         for m in messages:
             b.enqueue(m.encode())
@@ -230,6 +237,15 @@ def receive(b: Broker, limit: int) -> list[tuple[object, str]]:
     if isinstance(b, DatabaseBroker):
         return b.dequeue(limit)
     got = b.dequeue() or []
+    if isinstance(b, Redis) and got and limit > len(got):
+        # django-q2's dequeue pops one message (BLPOP, waiting up to a second for it); the
+        # rest of the batch is what is already queued, taken at once (LRANGE and LTRIM in
+        # one MULTI: any Redis version, and no other consumer gets the same messages).
+        pipe = b.connection.pipeline()
+        pipe.lrange(b.list_key, 0, limit - len(got) - 1)
+        pipe.ltrim(b.list_key, limit - len(got), -1)
+        more, _ = pipe.execute()
+        got += [(None, payload) for payload in more]
     return [(task_id, p.decode() if isinstance(p, bytes) else p) for task_id, p in got]
 
 

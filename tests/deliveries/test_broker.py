@@ -94,6 +94,23 @@ def test_the_pipeline_runs_on_django_q2_redis_broker(tenant, receiver, redis_bro
 
 
 @pytest.mark.redis
+def test_the_redis_broker_publishes_a_page_and_hands_out_batches_in_order(redis_broker):
+    messages = [Message(uuid.uuid4(), 1) for _ in range(5)]
+    transport.publish(redis_broker, messages)
+    assert redis_broker.queue_size() == 5
+
+    first = transport.receive(redis_broker, 3)
+    second = transport.receive(redis_broker, 10)
+
+    # A batch, not django-q2's one message per dequeue; oldest first; each message once.
+    assert [Message.decode(p) for _, p in first] == messages[:3]
+    assert [Message.decode(p) for _, p in second] == messages[3:]
+    assert redis_broker.queue_size() == 0
+    transport.publish(redis_broker, [])  # an empty page is not an error
+    assert redis_broker.queue_size() == 0
+
+
+@pytest.mark.redis
 def test_a_message_the_redis_broker_lost_is_recovered_by_the_scheduler(
     tenant, receiver, redis_broker
 ):
