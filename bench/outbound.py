@@ -416,20 +416,43 @@ class FloorPipeline:
         ]
 
 
-def publish(n: int, url: str) -> dict:
+@dataclass(frozen=True)
+class Layout:
+    """Who the N events go to: ``tenants`` tenants with ``endpoints`` endpoints each, the
+    events dealt round-robin, one delivery each (every endpoint subscribes to an event
+    type of its own). The default is one tenant with one endpoint: a single hot
+    endpoint, as every peer is measured."""
+
+    tenants: int = 1
+    endpoints: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tenants < 1 or self.endpoints < 1:
+            raise ValueError("a layout needs at least one tenant and one endpoint")
+
+
+def publish(n: int, url: str, layout: Layout = Layout()) -> dict:
     from django.db import transaction
 
     from deliveries.models import Tenant
     from deliveries.services import endpoint_create, publish_event
 
-    tenant = Tenant.objects.create(name="bench")
-    endpoint_create(tenant=tenant, url=url)
+    targets = []  # (tenant, event type), one per endpoint
+    for t in range(layout.tenants):
+        tenant = Tenant.objects.create(name="bench" if t == 0 else f"bench-{t}")
+        for e in range(layout.endpoints):
+            event_type = "bench.event" if t == e == 0 else f"bench.event.{t}.{e}"
+            # One endpoint alone takes every event type, as the product's default does.
+            subscribed = [event_type] if layout != Layout() else []
+            endpoint_create(tenant=tenant, url=url, event_types=subscribed)
+            targets.append((tenant, event_type))
     bodies = [payload(i) for i in range(n)]
     started = time.perf_counter()
     for start in range(0, n, PUBLISH_BATCH):
         with transaction.atomic():
             for i in range(start, min(n, start + PUBLISH_BATCH)):
-                publish_event(tenant=tenant, event_type="bench.event", payload=bodies[i])
+                tenant, event_type = targets[i % len(targets)]
+                publish_event(tenant=tenant, event_type=event_type, payload=bodies[i])
     seconds = time.perf_counter() - started
     analyze()
     return {"seconds": round(seconds, 3), "per_second": round(n / seconds, 1)}
@@ -466,11 +489,16 @@ def snapshot_restore(url: str) -> None:
     analyze()
 
 
-def snapshot_events() -> int:
-    """Deliveries in the saved snapshot (0: none saved)."""
+def snapshot_shape() -> tuple[int, Layout | None]:
+    """Deliveries in the saved snapshot and the layout they were published to (0 and
+    None: none saved)."""
     if not sql("SELECT to_regclass('bench_snapshot_deliveries_delivery')")[0][0]:
-        return 0
-    return sql("SELECT count(*) FROM bench_snapshot_deliveries_delivery")[0][0]
+        return 0, None
+    deliveries = sql("SELECT count(*) FROM bench_snapshot_deliveries_delivery")[0][0]
+    tenants, endpoints = sql(
+        "SELECT count(DISTINCT tenant_id), count(*) FROM bench_snapshot_deliveries_endpoint"
+    )[0]
+    return deliveries, Layout(tenants, endpoints // max(1, tenants))
 
 
 def backend_cpu_by_app(db_name: str) -> dict[str, float]:
@@ -495,10 +523,11 @@ def run_service(
     py_spy: Path | None,
     py_spy_mode: str = "gil",
     fresh_publish: bool = True,
+    layout: Layout = Layout(),
 ) -> dict:
     if fresh_publish:
         truncate()
-        pub = publish(n, receiver.url("/hook"))
+        pub = publish(n, receiver.url("/hook"), layout)
         snapshot_save()
     else:
         snapshot_restore(receiver.url("/hook"))
@@ -763,6 +792,10 @@ def parse_env(items: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=20_000, help="N (default 20,000)")
+    parser.add_argument(
+        "--tenants", type=int, default=1, help="publish to this many tenants (default 1)"
+    )
+    parser.add_argument("--endpoints", type=int, default=1, help="endpoints per tenant (default 1)")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each; medians reported")
     parser.add_argument(
         "--concurrency", type=int, default=256, help="bare loop: requests in flight"
@@ -828,6 +861,7 @@ def main(argv: list[str] | None = None) -> int:
         worker_concurrency=args.worker_concurrency,
         env=parse_env(args.env),
     )
+    layout = Layout(args.tenants, args.endpoints)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     logs = Path(tempfile.mkdtemp(prefix="bench-outbound-"))
     if args.py_spy:
@@ -841,6 +875,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {
         "benchmark": "outbound",
         "events": args.events,
+        "layout": {"tenants": layout.tenants, "endpoints_per_tenant": layout.endpoints},
         "body_bytes": BODY_SIZE,
         "repeat": args.repeat,
         "cpu_count": os.cpu_count(),
@@ -860,7 +895,7 @@ def main(argv: list[str] | None = None) -> int:
         "service": [],
         "floor": [],
     }
-    reuse = args.reuse_published and snapshot_events() == args.events
+    reuse = args.reuse_published and snapshot_shape() == (args.events, layout)
     result["publish_reused_from_earlier_invocation"] = reuse
     try:
 
@@ -876,6 +911,7 @@ def main(argv: list[str] | None = None) -> int:
                 py_spy=args.py_spy if i == args.repeat - 1 else None,
                 py_spy_mode=args.py_spy_mode,
                 fresh_publish=args.publish_every_run or (i == 0 and first_publishes),
+                layout=layout,
             )
             published = run["publish_per_second"]
             name = "floor" if which is not pipeline else "service"
