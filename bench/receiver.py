@@ -1,6 +1,7 @@
 """A minimal local webhook receiver for the benchmarks: one aiohttp process.
 
-Every POST is answered ``200`` with a two-byte body after reading the request body, and
+Every POST is answered ``200`` with a two-byte body after reading the request body (a
+POST to ``/status/NNN/...`` with status NNN instead, for the failure path), and
 counted: all requests, and distinct ``webhook-id`` values (so the outbound benchmark can
 tell duplicates from deliveries), with the wall-clock time (``time.time()``) of the first
 and the last request and of each ``webhook-id``'s first arrival. ``GET /count`` returns the
@@ -55,7 +56,10 @@ def make_app(counts: Counts) -> web.Application:
         webhook_id = request.headers.get("webhook-id")
         if webhook_id and webhook_id not in counts.ids:
             counts.ids[webhook_id] = now
-        return web.Response(body=b"ok", content_type="text/plain")
+        status = 200
+        if request.path.startswith("/status/"):
+            status = int(request.path.split("/")[2])
+        return web.Response(status=status, body=b"ok", content_type="text/plain")
 
     async def count(request: web.Request) -> web.Response:
         return web.json_response(counts.as_dict())

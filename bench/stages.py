@@ -243,6 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--worker-concurrency", type=int, default=None)
     parser.add_argument("--db-name", default="webhooks_bench")
+    parser.add_argument(
+        "--answer",
+        type=int,
+        default=200,
+        help="the receiver's status for the deliveries (e.g. 503: every one fails once and "
+        "is recorded as a retry, the failure path's cost)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument(
         "--profile",
@@ -278,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         outbound.truncate()
-        result["publish"] = outbound.publish(n, receiver.url("/hook"))
+        hook = "/hook" if args.answer == 200 else f"/status/{args.answer}/hook"
+        result["answer"] = args.answer
+        result["publish"] = outbound.publish(n, receiver.url(hook))
         print(f"{'publish':>9}: {result['publish']['per_second']:>8,.0f}/s", flush=True)
         result["scheduler"] = stage("scheduler", lambda: run_scheduler(n), n)
         result["relay"] = stage("relay", lambda: run_relay(n), n)

@@ -867,41 +867,108 @@ def _held(results: Sequence[AttemptResult]) -> set[uuid.UUID]:
     return {r.leased.id for r in results if (r.leased.id, r.leased.lease_token) in pairs}
 
 
+# Failures of a batch in one statement, each row with its own next state: pending at its
+# next attempt time (a retry) or dead. The rows were locked by _held, lease held.
+_FAIL_SQL = """
+UPDATE deliveries_delivery d SET state = v.state,
+    next_attempt_at = coalesce(v.next_attempt_at, d.next_attempt_at),
+    finished_at = coalesce(v.finished_at, d.finished_at),
+    last_outcome = v.outcome, last_status_code = v.status, last_error = v.error,
+    lease_until = NULL, lease_token = NULL, last_attempt_at = %(now)s, updated_at = %(now)s
+FROM unnest(%(ids)s::uuid[], %(tokens)s::uuid[], %(states)s::text[],
+    %(next)s::timestamptz[], %(finished)s::timestamptz[], %(outcomes)s::text[],
+    %(statuses)s::int[], %(errors)s::text[])
+    AS v(id, token, state, next_attempt_at, finished_at, outcome, status, error)
+WHERE d.id = v.id AND (d.state || '') = 'leased' AND d.lease_token = v.token
+"""
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """The transition one failed attempt makes (a row of _FAIL_SQL)."""
+
+    id: uuid.UUID
+    token: uuid.UUID
+    state: str
+    next_attempt_at: datetime | None
+    finished_at: datetime | None
+    outcome: str
+    status: int | None
+    error: str
+
+
 def _finish_failures(failures, now, policy, summary) -> tuple[set, set, set]:
-    """Retry (pending at the next step) or dead, one guarded UPDATE each: failures are
-    the exception, and each has its own next attempt time."""
+    """Retry (pending at the next step) or dead, each guarded by the lease: one
+    statement for the batch on PostgreSQL (an endpoint that is down fails every
+    delivery), one UPDATE each elsewhere."""
     if not failures:
         return set(), set(), set()
     held = _held(failures)
     failing: set[uuid.UUID] = set()
     gone: set[uuid.UUID] = set()
+    rows: list[_Failed] = []
     for r in failures:
         if r.leased.id not in held:
             continue
         outcome = r.classification.outcome
         failing.add(r.leased.endpoint_id)
-        fields = {
-            **_DONE,
-            "last_attempt_at": now,
-            "updated_at": now,
-            "last_outcome": outcome,
-            "last_status_code": r.status_code,
-            "last_error": r.error[:500],
-        }
         delay = (
             policy.next_delay(r.leased.policy_attempts, retry_after=r.retry_after)
             if r.classification.retryable
             else None
         )
         if delay is not None:
-            fields.update(state=PENDING, next_attempt_at=now + timedelta(seconds=delay))
+            next_state, next_at, finished = PENDING, now + timedelta(seconds=delay), None
             summary.retrying += 1
         else:
-            fields.update(state=DEAD, finished_at=now)
+            next_state, next_at, finished = DEAD, None, now
             summary.dead += 1
             if outcome == Outcome.ENDPOINT_GONE:
                 gone.add(r.leased.endpoint_id)
-        Delivery.objects.filter(id=r.leased.id, state=LEASED).update(**fields)
+        rows.append(
+            _Failed(
+                r.leased.id,
+                r.leased.lease_token,
+                next_state,
+                next_at,
+                finished,
+                str(outcome),
+                r.status_code,
+                r.error[:500],
+            )
+        )
+    if connection.vendor == "postgresql":
+        with bound_cursor() as cursor:
+            cursor.execute(
+                _FAIL_SQL,
+                {
+                    "now": now,
+                    "ids": [f.id for f in rows],
+                    "tokens": [f.token for f in rows],
+                    "states": [f.state for f in rows],
+                    "next": [f.next_attempt_at for f in rows],
+                    "finished": [f.finished_at for f in rows],
+                    "outcomes": [f.outcome for f in rows],
+                    "statuses": [f.status for f in rows],
+                    "errors": [f.error for f in rows],
+                },
+            )
+    else:
+        for f in rows:
+            fields = {
+                **_DONE,
+                "state": f.state,
+                "last_attempt_at": now,
+                "updated_at": now,
+                "last_outcome": f.outcome,
+                "last_status_code": f.status,
+                "last_error": f.error,
+            }
+            if f.next_attempt_at is not None:
+                fields["next_attempt_at"] = f.next_attempt_at
+            if f.finished_at is not None:
+                fields["finished_at"] = f.finished_at
+            Delivery.objects.filter(id=f.id, state=LEASED, lease_token=f.token).update(**fields)
     return held, failing, gone
 
 

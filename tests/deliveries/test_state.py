@@ -7,7 +7,7 @@ from django.utils import timezone
 
 from deliveries import services, state
 from deliveries.loops import relay_tick, scheduler_tick
-from deliveries.models import Delivery, Outbox
+from deliveries.models import Delivery, Endpoint, Outbox
 from deliveries.policy import RetryPolicy
 from deliveries.selectors import delivery_explain
 from tests.conftest import drain, run_workers
@@ -250,3 +250,76 @@ def test_a_sweep_that_filled_its_page_runs_again_on_the_next_pass(
     assert passes().counts["lease_expired"] == 2  # a full page: more may wait
     assert passes().counts["lease_expired"] == 1  # not a full page: swept dry
     assert "lease_expired" not in passes().counts  # the next sweep waits 60 s
+
+
+def failed_batch(tenant, make_endpoint, answers):
+    """Lease one delivery per answer (each to its own endpoint) and build the results."""
+    from deliveries.policy import classify
+
+    for i, _ in enumerate(answers):
+        make_endpoint(f"http://127.0.0.1:9/{i}")
+    publish(tenant)
+    scheduler_tick()
+    messages = [(d.id, 1) for d in Delivery.objects.order_by("endpoint__url")]
+    leased, _ = state.lease(messages, now=NOW(), lease_seconds=60)
+    by_url = {lease.endpoint_id: lease for lease in leased}
+    ordered = [by_url[d.endpoint_id] for d in Delivery.objects.order_by("endpoint__url")]
+    return [
+        state.AttemptResult(
+            leased=lease,
+            classification=classify(status=status, error_kind=kind),
+            started_at=NOW(),
+            duration_ms=1.0,
+            status_code=status,
+            error_kind=kind,
+            error=kind,
+        )
+        for lease, (status, kind) in zip(ordered, answers, strict=True)
+    ]
+
+
+def test_a_batch_of_failures_moves_each_delivery_its_own_way(tenant, make_endpoint):
+    answers = [(503, ""), (400, ""), (410, ""), (None, "connect")]
+    results = failed_batch(tenant, make_endpoint, answers)
+    # The third lease ran out and went to another worker: its result changes nothing.
+    stale = results[2].leased.id
+    Delivery.objects.filter(id=stale).update(lease_token=uuid.uuid4())
+    now = NOW()
+    policy = RetryPolicy(schedule=(30,), jitter=0)
+
+    summary = state.record(results, now=now, policy=policy)
+
+    assert (summary.retrying, summary.dead, summary.stale) == (2, 1, 1)
+    rows = {d.id: d for d in Delivery.objects.all()}
+    retry, permanent, _, connect = (rows[r.leased.id] for r in results)
+    assert (retry.state, retry.last_status_code, retry.last_outcome) == ("pending", 503, "retry")
+    assert retry.next_attempt_at == now + timezone.timedelta(seconds=30)
+    assert retry.finished_at is None and retry.lease_token is None
+    assert (permanent.state, permanent.last_status_code) == ("dead", 400)
+    assert permanent.finished_at == now and permanent.last_outcome == "permanent"
+    assert (connect.state, connect.last_status_code, connect.last_error) == (
+        "pending",
+        None,
+        "connect",
+    )
+    assert rows[stale].state == "leased" and rows[stale].last_status_code is None
+    assert Delivery.objects.get(id=stale).endpoint.enabled  # a stale 410 disables nothing
+
+
+def test_recording_a_batch_of_failures_costs_the_same_statements_for_30_as_for_3(
+    tenant, make_endpoint
+):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    if connection.vendor != "postgresql":
+        pytest.skip("on SQLite each failure is its own UPDATE")
+    policy = RetryPolicy(schedule=(30,), jitter=0)
+    counts = []
+    for n in (3, 30):
+        Endpoint.objects.all().delete()  # and their deliveries
+        results = failed_batch(tenant, make_endpoint, [(503, "")] * n)
+        with CaptureQueriesContext(connection) as queries:
+            assert state.record(results, now=NOW(), policy=policy).retrying == n
+        counts.append(len(queries))
+    assert counts[0] == counts[1]
