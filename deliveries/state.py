@@ -937,7 +937,7 @@ def _finish_failures(failures, now, policy, summary) -> tuple[set, set, set]:
                 r.error[:500],
             )
         )
-    if connection.vendor == "postgresql":
+    if rows and connection.vendor == "postgresql":
         with bound_cursor() as cursor:
             cursor.execute(
                 _FAIL_SQL,
@@ -953,7 +953,7 @@ def _finish_failures(failures, now, policy, summary) -> tuple[set, set, set]:
                     "errors": [f.error for f in rows],
                 },
             )
-    else:
+    else:  # SQLite (or every lease was lost: nothing to move)
         for f in rows:
             fields = {
                 **_DONE,
