@@ -524,13 +524,14 @@ def run_service(
     py_spy_mode: str = "gil",
     fresh_publish: bool = True,
     layout: Layout = Layout(),
+    hook: str = "/hook",
 ) -> dict:
     if fresh_publish:
         truncate()
-        pub = publish(n, receiver.url("/hook"), layout)
+        pub = publish(n, receiver.url(hook), layout)
         snapshot_save()
     else:
-        snapshot_restore(receiver.url("/hook"))
+        snapshot_restore(receiver.url(hook))
         pub = {"seconds": None, "per_second": None}
     receiver.reset()
     # Park the published deliveries while the processes start: a service runs
@@ -796,6 +797,12 @@ def main(argv: list[str] | None = None) -> int:
         "--tenants", type=int, default=1, help="publish to this many tenants (default 1)"
     )
     parser.add_argument("--endpoints", type=int, default=1, help="endpoints per tenant (default 1)")
+    parser.add_argument(
+        "--flaky",
+        action="store_true",
+        help="the receiver answers 503 to the first copy of every delivery: each succeeds "
+        "on its first retry (set DELIVERY_RETRY_SCHEDULE with --env to keep the wait short)",
+    )
     parser.add_argument("--repeat", type=int, default=3, help="runs of each; medians reported")
     parser.add_argument(
         "--concurrency", type=int, default=256, help="bare loop: requests in flight"
@@ -876,6 +883,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "outbound",
         "events": args.events,
         "layout": {"tenants": layout.tenants, "endpoints_per_tenant": layout.endpoints},
+        "flaky": args.flaky,
         "body_bytes": BODY_SIZE,
         "repeat": args.repeat,
         "cpu_count": os.cpu_count(),
@@ -912,6 +920,7 @@ def main(argv: list[str] | None = None) -> int:
                 py_spy_mode=args.py_spy_mode,
                 fresh_publish=args.publish_every_run or (i == 0 and first_publishes),
                 layout=layout,
+                hook="/flaky/hook" if args.flaky else "/hook",
             )
             published = run["publish_per_second"]
             name = "floor" if which is not pipeline else "service"

@@ -1,8 +1,9 @@
 """A minimal local webhook receiver for the benchmarks: one aiohttp process.
 
 Every POST is answered ``200`` with a two-byte body after reading the request body (a
-POST to ``/status/NNN/...`` with status NNN instead, for the failure path), and
-counted: all requests, and distinct ``webhook-id`` values (so the outbound benchmark can
+POST to ``/status/NNN/...`` with status NNN instead, for the failure path; to
+``/flaky/...`` with 503 for the first copy of each ``webhook-id``, for the retry path),
+and counted: all requests, and distinct ``webhook-id`` values (so the outbound benchmark can
 tell duplicates from deliveries), with the wall-clock time (``time.time()``) of the first
 and the last request and of each ``webhook-id``'s first arrival. ``GET /count`` returns the
 counters as JSON, ``GET /arrivals`` every ``webhook-id`` with its first arrival time (the
@@ -54,11 +55,14 @@ def make_app(counts: Counts) -> web.Application:
         counts.requests += 1
         counts.body_bytes += len(body)
         webhook_id = request.headers.get("webhook-id")
-        if webhook_id and webhook_id not in counts.ids:
+        first_copy = bool(webhook_id) and webhook_id not in counts.ids
+        if first_copy:
             counts.ids[webhook_id] = now
         status = 200
         if request.path.startswith("/status/"):
             status = int(request.path.split("/")[2])
+        elif request.path.startswith("/flaky/") and first_copy:
+            status = 503
         return web.Response(status=status, body=b"ok", content_type="text/plain")
 
     async def count(request: web.Request) -> web.Response:
