@@ -132,7 +132,8 @@ def run_relay(page: int) -> None:
 
 
 # The worker's database work, written once as generators of steps that a driver runs:
-# ("query", sql, params) answers the rows, ("copy", sql, rows) answers None. The async
+# ("query", sql, params) answers the rows ("binary" likewise, the rows in binary format,
+# as the service leases), ("copy", sql, rows) answers None. The async
 # driver runs them on an asyncio connection in the event loop (the floor); the thread
 # driver on a blocking connection in a thread pool, one trip per generator, as the
 # service's worker runs Django's (``--db-thread``: what that way costs).
@@ -156,7 +157,7 @@ def take_steps(queue: str, batch: int):
         "token": token,
         "now": t,
     }
-    leased = yield ("query", state._LEASE_SQL, params)
+    leased = yield ("binary", state._LEASE_SQL, params)
     return taken, leased, token
 
 
@@ -202,7 +203,7 @@ async def run_async(conn, steps):
                     await copy.write_row(row)
             answer = None
         else:
-            await cursor.execute(sql, params)
+            await cursor.execute(sql, params, binary=kind == "binary")
             answer = await cursor.fetchall() if cursor.description else None
 
 
@@ -220,7 +221,7 @@ def run_blocking(conn, steps):
                     copy.write_row(row)
             answer = None
         else:
-            cursor.execute(sql, params)
+            cursor.execute(sql, params, binary=kind == "binary")
             answer = cursor.fetchall() if cursor.description else None
 
 

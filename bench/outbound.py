@@ -489,16 +489,17 @@ def snapshot_restore(url: str) -> None:
     analyze()
 
 
-def snapshot_shape() -> tuple[int, Layout | None]:
-    """Deliveries in the saved snapshot and the layout they were published to (0 and
-    None: none saved)."""
+def snapshot_shape() -> tuple[int, Layout | None, int]:
+    """Deliveries in the saved snapshot, the layout they were published to and their
+    body size (0, None, 0: none saved)."""
     if not sql("SELECT to_regclass('bench_snapshot_deliveries_delivery')")[0][0]:
-        return 0, None
+        return 0, None, 0
     deliveries = sql("SELECT count(*) FROM bench_snapshot_deliveries_delivery")[0][0]
     tenants, endpoints = sql(
         "SELECT count(DISTINCT tenant_id), count(*) FROM bench_snapshot_deliveries_endpoint"
     )[0]
-    return deliveries, Layout(tenants, endpoints // max(1, tenants))
+    body = sql("SELECT coalesce(max(length(body)), 0) FROM bench_snapshot_deliveries_event")
+    return deliveries, Layout(tenants, endpoints // max(1, tenants)), body[0][0]
 
 
 def backend_cpu_by_app(db_name: str) -> dict[str, float]:
@@ -791,12 +792,19 @@ def parse_env(items: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global BODY_SIZE  # --body-bytes: payload() and the bare loop's body read it
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=20_000, help="N (default 20,000)")
     parser.add_argument(
         "--tenants", type=int, default=1, help="publish to this many tenants (default 1)"
     )
     parser.add_argument("--endpoints", type=int, default=1, help="endpoints per tenant (default 1)")
+    parser.add_argument(
+        "--body-bytes",
+        type=int,
+        default=BODY_SIZE,
+        help=f"the JSON body of every request, bare and delivered (default {BODY_SIZE})",
+    )
     parser.add_argument(
         "--flaky",
         action="store_true",
@@ -869,6 +877,7 @@ def main(argv: list[str] | None = None) -> int:
         env=parse_env(args.env),
     )
     layout = Layout(args.tenants, args.endpoints)
+    BODY_SIZE = args.body_bytes
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     logs = Path(tempfile.mkdtemp(prefix="bench-outbound-"))
     if args.py_spy:
@@ -903,7 +912,7 @@ def main(argv: list[str] | None = None) -> int:
         "service": [],
         "floor": [],
     }
-    reuse = args.reuse_published and snapshot_shape() == (args.events, layout)
+    reuse = args.reuse_published and snapshot_shape() == (args.events, layout, BODY_SIZE)
     result["publish_reused_from_earlier_invocation"] = reuse
     try:
 

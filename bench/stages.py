@@ -250,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the receiver's status for the deliveries (e.g. 503: every one fails once and "
         "is recorded as a retry, the failure path's cost)",
     )
+    parser.add_argument(
+        "--body-bytes", type=int, default=outbound.BODY_SIZE, help="every request's JSON body"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument(
         "--profile",
@@ -259,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     n = args.events
+    outbound.BODY_SIZE = args.body_bytes  # payload() and the bare loop's body read it
 
     base_url = os.environ.get("DATABASE_URL") or "postgres://webhooks@127.0.0.1:5432/webhooks"
     db_url = outbound.with_db(base_url, args.db_name, "bench-stages")

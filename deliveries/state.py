@@ -652,6 +652,9 @@ def _lease_postgres(messages, *, now, until, token) -> list[tuple]:
                 "token": token,
                 "now": now,
             },
+            # The bodies as raw bytes: in text format bytea travels hex-encoded, twice its
+            # size, encoded by the server and decoded here.
+            binary=True,
         )
         return cursor.fetchall()
 

@@ -611,6 +611,7 @@ def _lease_postgres(wanted: dict, *, token, until) -> list[_Leased]:
                 "token": token,
                 "until": until,
             },
+            binary=True,  # the bodies as raw bytes, not hex text twice their size
         )
         return [
             _Leased(*row[:7], row[7] if isinstance(row[7], dict) else json.loads(row[7]), row[8])

@@ -101,6 +101,27 @@ def test_delivery_is_signed_and_verifiable_by_the_standardwebhooks_package(tenan
     assert verified == {"a": 1}
 
 
+def test_a_body_at_the_size_limit_arrives_byte_for_byte_and_verifies(tenant, receiver, settings):
+    # Bytes of every kind (the lease reads bodies in binary format), up to the limit.
+    _endpoint, secret = services.endpoint_create(tenant=tenant, url=receiver.url("/ok"))
+    unit = "".join(chr(c) for c in range(32, 0x2FF))
+    unit_bytes = len(services.encode_payload(unit)) - 2  # without the quotes
+    payload = {"text": unit * ((settings.DELIVERY_MAX_PAYLOAD_BYTES - 100) // unit_bytes)}
+    body = services.encode_payload(payload)
+    assert (
+        settings.DELIVERY_MAX_PAYLOAD_BYTES - 1024
+        < len(body)
+        <= (settings.DELIVERY_MAX_PAYLOAD_BYTES)
+    )
+    services.publish_event(tenant=tenant, event_type="t", payload=payload)
+
+    drain()
+
+    [request] = receiver.received
+    assert request.body == body
+    assert Webhook(secret).verify(request.body, request.headers) == payload
+
+
 def test_a_delivery_that_fails_once_then_succeeds_keeps_its_identity(tenant, receiver):
     receiver.behaviours["/flaky"] = fail_first(1)
     _endpoint, _ = services.endpoint_create(tenant=tenant, url=receiver.url("/flaky"))
