@@ -7,6 +7,7 @@ ids travel as one typed parameter. Same connection, same transaction as the ORM.
 """
 
 from contextlib import contextmanager
+from functools import partial
 
 import psycopg
 from django.db import connection
@@ -23,3 +24,31 @@ def bound_cursor():
     connection.ensure_connection()
     with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cursor:
         yield cursor
+
+
+_SET_COMPRESSION = """
+DO $$ BEGIN
+    ALTER TABLE {table} ALTER COLUMN {column} SET COMPRESSION {method};
+EXCEPTION WHEN feature_not_supported THEN
+    RAISE NOTICE 'compression method {method} is not available: {table}.{column} keeps its own';
+END $$
+"""
+
+
+def set_compression(apps, schema_editor, *, table: str, column: str, method: str) -> None:
+    """A migration step: how PostgreSQL compresses new values of ``table.column`` (a
+    no-op on SQLite). A server built without ``method`` keeps the current one, with a
+    notice: compression is a cost, never a reason for a migration to fail."""
+    if schema_editor.connection.vendor == "postgresql":
+        schema_editor.execute(_SET_COMPRESSION.format(table=table, column=column, method=method))
+
+
+def compress_with_lz4(table: str, column: str):
+    """The migration operation that moves ``table.column`` from pglz to lz4, and back."""
+    from django.db import migrations
+
+    return migrations.RunPython(
+        partial(set_compression, table=table, column=column, method="lz4"),
+        partial(set_compression, table=table, column=column, method="pglz"),
+        elidable=False,
+    )
