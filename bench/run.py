@@ -240,11 +240,16 @@ def scenario_throughput(ctx: dict) -> dict:
         return round(median(pairs), 3) if pairs else None
 
     fastest = max(peers, key=lambda p: med[p] or 0) if peers else None
-    drains = zip(systems["service"], systems.get(BASELINE_FLOOR, []), strict=False)
+    repeats = zip(
+        systems["bare aiohttp loop"],
+        systems["service"],
+        systems.get(BASELINE_FLOOR, []),
+        strict=False,
+    )
     ceilings = [
         c
-        for bare, drained in zip(systems["bare aiohttp loop"], drains, strict=False)
-        if (c := statements_ceiling(bare, list(drained), n, os.cpu_count() or 1))
+        for bare, service, floor in repeats
+        if (c := statements_ceiling(bare, [service, floor], n, os.cpu_count() or 1))
     ]
     # The fastest peer of each repeat, then the service's ratio to it in that repeat.
     per_repeat_fastest = []

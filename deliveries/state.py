@@ -124,17 +124,11 @@ def admit_due(*, now: datetime, page_size: int, limits: Limits) -> AdmissionResu
             result.saturated = True
             return result
         full_tenants = {t for t, n in by_tenant.items() if n >= limits.tenant_max_in_flight}
-        ceilings = {
-            e: row["max_concurrency"]
-            for e, row in _endpoint_limits(by_endpoint).items()
-            if row["max_concurrency"] is not None
-        }
-        full_endpoints = {
-            e
-            for e, n in by_endpoint.items()
-            if n >= ceilings.get(e, limits.endpoint_max_concurrency)
-        }
         slots = _Slots(limits, by_tenant, by_endpoint)
+        in_flight_limits = _endpoint_limits(by_endpoint)
+        full_endpoints = {
+            e for e, n in by_endpoint.items() if n >= slots.ceiling(in_flight_limits.get(e))
+        }
         # Chunks of due rows, each scanned past the free slots so that tenants share
         # it round-robin. A row held back fills its tenant or endpoint (ceiling reached,
         # or no start token left): those leave the next chunk's scan, so rows they
@@ -182,10 +176,13 @@ class _Slots:
     def tenant_full(self, tenant_id: str) -> bool:
         return self.by_tenant[tenant_id] >= self.limits.tenant_max_in_flight
 
+    def ceiling(self, endpoint: dict | None) -> int:
+        """An endpoint's concurrency ceiling (its _endpoint_limits row): its own, else the
+        default (also for an endpoint deleted since its rows were read)."""
+        return (endpoint or {}).get("max_concurrency") or self.limits.endpoint_max_concurrency
+
     def endpoint_full(self, endpoint_id: str) -> bool:
-        ceiling = (
-            self.endpoints[endpoint_id]["max_concurrency"] or self.limits.endpoint_max_concurrency
-        )
+        ceiling = self.ceiling(self.endpoints[endpoint_id])
         bucket = self.buckets.get(endpoint_id)
         return self.by_endpoint[endpoint_id] >= ceiling or (
             bucket is not None and bucket.tokens < 1
