@@ -11,9 +11,9 @@ service's tables and indexes, and nothing else:
 * ``scheduler``: one scan of due rows (``state._SCAN_DUE_SQL``, nothing left out) and
   one ``state._ENQUEUE_SQL`` (pending → enqueued and an outbox row each) per page;
   no ceilings, no fairness, no in-flight count, no sweeps;
-* ``relay``: ``loops._CLAIM_OUTBOX_SQL``, the broker's ``_ENQUEUE_SQL``, then
-  ``loops._MARK_PUBLISHED_SQL`` (publication recorded after the broker took it, as the
-  design says);
+* ``relay``: in one transaction, ``loops._OUTBOX_PAGE_SQL`` marking the page published
+  and the broker's ``_ENQUEUE_SQL`` (the database broker's publication and its record
+  commit together, as the service's relay does);
 * ``worker`` (one process per core, lanes of one asyncio connection each): the broker's
   ``_DEQUEUE_SQL``, ``state._LEASE_SQL``, a signed POST per delivery through one bare
   ``aiohttp.ClientSession`` (no egress checks), then in one transaction the attempts by
@@ -115,20 +115,19 @@ def run_relay(page: int) -> None:
     queue = settings.Q_CLUSTER["name"]
     with psycopg.connect(connect_url(), autocommit=True) as conn:
         register(conn, "floor-relay")
+        take = loops._OUTBOX_PAGE_SQL.format(column="published_at")
         while True:
-            t = now()
-            rows = conn.execute(
-                loops._CLAIM_OUTBOX_SQL,
-                {"until": t + timedelta(seconds=30), "now": t, "limit": page},
-            ).fetchall()
+            with conn.transaction():
+                t = now()
+                rows = conn.execute(take, {"value": t, "now": t, "limit": page}).fetchall()
+                if rows:
+                    tasks = [broker.Message(r[1], r[2], r[3], r[4]).encode() for r in rows]
+                    conn.execute(
+                        broker._ENQUEUE_SQL,
+                        [queue, t, t, json.dumps(tasks), [r[3] for r in rows]],
+                    )
             if not rows:
                 time.sleep(IDLE_SLEEP)
-                continue
-            tasks = [broker.Message(r[1], r[2], r[3], r[4]).encode() for r in rows]
-            conn.execute(
-                broker._ENQUEUE_SQL, [queue, t, t, json.dumps(tasks), [r[3] for r in rows]]
-            )
-            conn.execute(loops._MARK_PUBLISHED_SQL, [now(), [r[0] for r in rows]])
 
 
 # The worker's database work, written once as generators of steps that a driver runs:

@@ -6,8 +6,10 @@ time it gets there or, with ``FAULT_INJECT_AFTER=n``, the n-th time (the soak us
 to let a process work a while before it dies at a named point). The crash tests and the
 soak run the real commands with it set. The named points:
 
-- ``relay.before_publish``: outbox rows committed and claimed, nothing on the broker yet.
+- ``relay.before_publish``: outbox rows committed and taken, nothing on the broker yet.
 - ``relay.after_publish``: the broker accepted the messages, publication not recorded.
+  (With the database broker both points are inside the relay's one transaction, which
+  the death rolls back; with Redis the page is claimed and, at the second, published.)
 - ``worker.after_lease``: the lease is committed, no request sent (death during a lease).
 - ``worker.after_send``: the receiver answered, the outcome is not recorded.
 """

@@ -144,19 +144,43 @@ def _count_recoveries(counts: Counter) -> None:
 def relay_tick(*, page_size: int | None = None, b=None) -> Tick:
     """Publish one page of unpublished outbox rows to the broker.
 
-    The page is claimed for ``RELAY_CLAIM_SECONDS`` in a short transaction, published with no
-    transaction open, then marked published. A relay that dies in between leaves the
-    rows to be published again after the claim runs out: the broker may then carry two
-    copies of a message, which the workers' lease guard turns into one attempt.
+    With the database broker (the default) the queue is a table beside the outbox: one
+    transaction takes the page, marks it published and inserts its messages, so a relay
+    that dies anywhere leaves the page as it found it, at once available to another relay.
+
+    With any other broker the page is claimed for ``RELAY_CLAIM_SECONDS`` in a short
+    transaction, published with no transaction open, then marked published. A relay that
+    dies in between leaves the rows to be published again after the claim runs out: the
+    broker may then carry two copies of a message, which the workers' lease guard turns
+    into one attempt.
     """
     page_size = page_size or settings.RELAY_PAGE_SIZE
     b = b or transport.broker()
     now = timezone.now()
     tick = Tick()
-    rows = _claim_outbox(now, page_size)
+    if isinstance(b, transport.DatabaseBroker):
+        with transaction.atomic():
+            rows = _outbox_page(now, page_size, "published_at", now)
+            if rows:
+                _publish_page(b, rows)
+    else:
+        until = now + timedelta(seconds=settings.RELAY_CLAIM_SECONDS)
+        rows = _outbox_page(now, page_size, "claimed_until", until)
+        if rows:
+            _publish_page(b, rows)
+            _mark_published([r[0] for r in rows], timezone.now())
     if not rows:
         tick.idle = not Outbox.objects.filter(published_at__isnull=True).exists()
         return tick
+    tick.counts["published"] = len(rows)
+    tick.busy = len(rows) >= page_size
+    tick.soon = True
+    return tick
+
+
+def _publish_page(b, rows: list[tuple]) -> None:
+    """Put a page of outbox rows (id, ref_id, dispatch, priority, kind) on the broker,
+    between the relay's two crash points."""
     crash_point("relay.before_publish")
     messages = [transport.Message(r[1], r[2], r[3], r[4]) for r in rows]
     spans = _relay_spans(messages) if tracing.enabled() else {}
@@ -173,11 +197,6 @@ def relay_tick(*, page_size: int | None = None, b=None) -> Tick:
         for span in spans.values():
             span.end()
     crash_point("relay.after_publish")
-    _mark_published([r[0] for r in rows], timezone.now())
-    tick.counts["published"] = len(rows)
-    tick.busy = len(rows) >= page_size
-    tick.soon = True
-    return tick
 
 
 def _relay_spans(messages: list) -> dict:
@@ -202,8 +221,13 @@ def _relay_spans(messages: list) -> dict:
     }
 
 
-_CLAIM_OUTBOX_SQL = """
-UPDATE deliveries_outbox SET claimed_until = %(until)s
+# One page of unpublished rows that no relay holds a claim on, oldest first, locked so
+# that relays divide the work, with one column set: claimed_until (the claim of a relay
+# publishing to a broker outside the database), or published_at (the database broker's
+# page, marked inside the transaction that inserts its messages). The inner SELECT uses
+# the partial index outbox_unpublished.
+_OUTBOX_PAGE_SQL = """
+UPDATE deliveries_outbox SET {column} = %(value)s
 WHERE id IN (
     SELECT id FROM deliveries_outbox
     WHERE published_at IS NULL AND (claimed_until IS NULL OR claimed_until < %(now)s)
@@ -213,13 +237,15 @@ RETURNING id, ref_id, dispatch, priority, kind
 """
 
 
-def _claim_outbox(now, page_size: int) -> list[tuple]:
-    """Claim a page of unpublished outbox rows for ``RELAY_CLAIM_SECONDS``, oldest first.
-    Uses the partial index outbox_unpublished."""
-    until = now + timedelta(seconds=settings.RELAY_CLAIM_SECONDS)
+def _outbox_page(now, page_size: int, column: str, value) -> list[tuple]:
+    """(id, ref_id, dispatch, priority, kind) of the page, oldest first; ``column`` is
+    ``claimed_until`` or ``published_at``."""
     if connection.vendor == "postgresql":
         with bound_cursor() as cursor:
-            cursor.execute(_CLAIM_OUTBOX_SQL, {"until": until, "now": now, "limit": page_size})
+            cursor.execute(
+                _OUTBOX_PAGE_SQL.format(column=column),
+                {"value": value, "now": now, "limit": page_size},
+            )
             return sorted(cursor.fetchall())
     with transaction.atomic():
         rows = list(
@@ -228,7 +254,7 @@ def _claim_outbox(now, page_size: int) -> list[tuple]:
             .order_by("id")
             .values_list("id", "ref_id", "dispatch", "priority", "kind")[:page_size]
         )
-        Outbox.objects.filter(id__in=[r[0] for r in rows]).update(claimed_until=until)
+        Outbox.objects.filter(id__in=[r[0] for r in rows]).update(**{column: value})
     return rows
 
 

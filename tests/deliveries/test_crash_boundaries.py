@@ -2,8 +2,11 @@
 at each named point, then the pipeline runs on. Each test ends with one terminal logical
 delivery, and every copy the receiver saw carries the same webhook-id."""
 
+import uuid
+
 import pytest
 from django.utils import timezone
+from django_q.brokers.redis_broker import Redis
 
 from deliveries import services
 from deliveries.faults import CRASH_EXIT_CODE
@@ -21,8 +24,12 @@ def published(tenant, receiver):
     return Delivery.objects.get(event=event)
 
 
-def crash(*command: str, point: str) -> None:
-    result = manage(*command, env=subprocess_env(FAULT_INJECT_AT=point))
+def crash(*command: str, point: str, redis_queue: str = "") -> None:
+    """Run a command until it dies at ``point``; on that Redis queue, if one is named."""
+    extra = {}
+    if redis_queue:
+        extra = {"QUEUE_BROKER_CLASS": f"{Redis.__module__}.Redis", "QUEUE_NAME": redis_queue}
+    result = manage(*command, env=subprocess_env(FAULT_INJECT_AT=point, **extra))
     assert result.returncode == CRASH_EXIT_CODE, result.stderr
 
 
@@ -61,16 +68,19 @@ def test_a_process_killed_before_the_publish_commits_leaves_nothing(tenant, rece
     assert receiver.received == []
 
 
+# With the database broker (the default) the relay takes, publishes and marks a page in
+# one transaction: a relay killed at either of its points leaves the page as it was.
+
+
 def test_relay_killed_after_the_outbox_commit_before_publication(published, receiver):
     scheduler_tick()
     crash("run_relay", "--once", point="relay.before_publish")
 
     outbox = Outbox.objects.get(ref_id=published.id)
-    assert outbox.published_at is None and outbox.claimed_until is not None
+    assert outbox.published_at is None and outbox.claimed_until is None
     assert QueueMessage.objects.count() == 0
-    # Another relay cannot take the claimed rows until the claim runs out.
-    assert relay_tick().counts["published"] == 0
-    time_passes()
+    # Nothing to wait out: the next relay publishes the row at once.
+    assert relay_tick().counts["published"] == 1
     drain()
 
     assert_one_terminal_delivery(published, receiver, copies=1)
@@ -80,14 +90,66 @@ def test_relay_killed_after_publication_before_it_is_recorded(published, receive
     scheduler_tick()
     crash("run_relay", "--once", point="relay.after_publish")
 
+    # The publication rolled back with the record of it: no copy on the queue.
+    assert QueueMessage.objects.count() == 0
+    outbox = Outbox.objects.get(ref_id=published.id)
+    assert outbox.published_at is None and outbox.claimed_until is None
+    assert relay_tick().counts["published"] == 1
     assert QueueMessage.objects.count() == 1
+    drain()
+
+    assert Attempt.objects.filter(delivery=published).count() == 1
+    assert_one_terminal_delivery(published, receiver, copies=1)
+
+
+# With a broker outside the database, publication and its record cannot share a
+# transaction: the relay claims the page, publishes, then marks it published.
+
+
+@pytest.fixture
+def redis_queue():
+    """django-q2's Redis broker on a queue of this test's own (``QUEUE_NAME``), as the
+    commands build it."""
+    name = f"test-{uuid.uuid4().hex}"
+    b = Redis(list_key=name)
+    b.name = name
+    yield b
+    b.delete_queue()
+
+
+@pytest.mark.redis
+def test_relay_on_redis_killed_before_publication_leaves_a_claim(published, receiver, redis_queue):
+    scheduler_tick()
+    crash("run_relay", "--once", point="relay.before_publish", redis_queue=redis_queue.name)
+
+    outbox = Outbox.objects.get(ref_id=published.id)
+    assert outbox.published_at is None and outbox.claimed_until is not None
+    assert redis_queue.queue_size() == 0
+    # Another relay cannot take the claimed rows until the claim runs out.
+    assert relay_tick(b=redis_queue).counts["published"] == 0
+    time_passes()
+    assert relay_tick(b=redis_queue).counts["published"] == 1
+    run_workers(broker=redis_queue, lanes=1)
+
+    assert_one_terminal_delivery(published, receiver, copies=1)
+
+
+@pytest.mark.redis
+def test_relay_on_redis_killed_after_publication_publishes_again(published, receiver, redis_queue):
+    scheduler_tick()
+    crash("run_relay", "--once", point="relay.after_publish", redis_queue=redis_queue.name)
+
+    assert redis_queue.queue_size() == 1
     assert Outbox.objects.get(ref_id=published.id).published_at is None
     time_passes()
-    drain()
+    assert relay_tick(b=redis_queue).counts["published"] == 1
+    assert redis_queue.queue_size() == 2
+    run_workers(broker=redis_queue, lanes=1)
 
     # The relay published the message twice; the lease guard made it one attempt.
     assert Attempt.objects.filter(delivery=published).count() == 1
     assert_one_terminal_delivery(published, receiver, copies=1)
+    assert redis_queue.queue_size() == 0
 
 
 def test_worker_killed_after_the_receiver_accepted_before_success_is_recorded(published, receiver):
