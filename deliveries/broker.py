@@ -103,14 +103,14 @@ _ENQUEUE_SQL = """
 INSERT INTO deliveries_queuemessage (queue, payload, priority, visible_at, receives, created_at)
 SELECT %s, m.payload, p.priority, %s, 0, %s
 FROM json_array_elements_text(%s::json) WITH ORDINALITY AS m(payload, i)
-JOIN unnest(%s::int[]) WITH ORDINALITY AS p(priority, i) USING (i)
+JOIN unnest(%b::int[]) WITH ORDINALITY AS p(priority, i) USING (i)
 ORDER BY i
 RETURNING id
 """
 
 
 # The ids travel as one array parameter (bound_cursor), not quoted one by one.
-_ACKNOWLEDGE_SQL = "DELETE FROM deliveries_queuemessage WHERE id = ANY(%s::bigint[])"
+_ACKNOWLEDGE_SQL = "DELETE FROM deliveries_queuemessage WHERE id = ANY(%b::bigint[])"
 
 
 class DatabaseBroker(Broker):

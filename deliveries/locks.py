@@ -17,7 +17,7 @@ from .sql import bound_cursor
 # so two takers of overlapping sets cannot deadlock.
 _ACQUIRE_SQL = """
 INSERT INTO deliveries_entitylock (key, owner, expires_at)
-SELECT key, %(owner)s, %(expires)s FROM unnest(%(keys)s::text[]) AS key ORDER BY key
+SELECT key, %(owner)s, %(expires)s FROM unnest(%(keys)b::text[]) AS key ORDER BY key
 ON CONFLICT (key) DO UPDATE SET owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at
 WHERE deliveries_entitylock.expires_at < %(now)s
     OR deliveries_entitylock.owner = EXCLUDED.owner

@@ -260,7 +260,7 @@ def _outbox_page(now, page_size: int, column: str, value) -> list[tuple]:
 
 _MARK_PUBLISHED_SQL = """
 UPDATE deliveries_outbox SET published_at = %s
-WHERE id = ANY(%s::bigint[]) AND published_at IS NULL
+WHERE id = ANY(%b::bigint[]) AND published_at IS NULL
 """
 
 

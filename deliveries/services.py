@@ -160,9 +160,9 @@ SELECT gen_random_uuid(), event.id, endpoint.id, endpoint.tenant_id, 'pending',
     %(priority)s, %(due)s, 0, 0, 0, 0, '', '', %(now)s, %(now)s
 FROM event, deliveries_endpoint AS endpoint
 WHERE endpoint.tenant_id = %(tenant_id)s AND endpoint.enabled
-    AND CASE WHEN %(only)s::uuid[] IS NULL
+    AND CASE WHEN %(only)b::uuid[] IS NULL
         THEN endpoint.event_types = '[]'::jsonb OR endpoint.event_types ? %(event_type)s
-        ELSE endpoint.id = ANY(%(only)s::uuid[]) END
+        ELSE endpoint.id = ANY(%(only)b::uuid[]) END
 """
 
 
@@ -375,7 +375,7 @@ def active_secrets(
 
 _ACTIVE_SECRETS_SQL = """
 SELECT endpoint_id, secret FROM deliveries_endpointsecret
-WHERE endpoint_id = ANY(%s::uuid[]) AND (expires_at IS NULL OR expires_at > %s)
+WHERE endpoint_id = ANY(%b::uuid[]) AND (expires_at IS NULL OR expires_at > %s)
 ORDER BY created_at DESC
 """
 

@@ -4,6 +4,11 @@ Django's psycopg backend binds parameters on the client (psycopg's ``ClientCurso
 which quotes every element of a 200-id array into the query text in Python. The claim,
 lease and record statements pass such arrays, so they use server-side binding instead: the
 ids travel as one typed parameter. Same connection, same transaction as the ORM.
+
+Array parameters are written ``%(name)b::type[]``: they travel in binary format. In text
+format psycopg writes every element into an array literal in Python, quoting and
+escaping it (about 2 µs a uuid and 5 µs a timestamp); in binary, 0.2-0.4 µs an element.
+A binary list must hold one Python type (floats and ints mixed are refused).
 """
 
 from contextlib import contextmanager

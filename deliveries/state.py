@@ -215,7 +215,7 @@ class _Slots:
 
 
 _ENDPOINT_LIMITS_SQL = """
-SELECT id, max_concurrency, rate_limit FROM deliveries_endpoint WHERE id = ANY(%s::uuid[])
+SELECT id, max_concurrency, rate_limit FROM deliveries_endpoint WHERE id = ANY(%b::uuid[])
 """
 
 
@@ -254,7 +254,7 @@ SELECT tenant_id::text, endpoint_id::text, n FROM (
 _SCAN_DUE_SQL = """
 SELECT id::text, tenant_id::text, endpoint_id::text, priority FROM deliveries_delivery
 WHERE state = 'pending' AND next_attempt_at <= %(now)s
-    AND tenant_id <> ALL(%(tenants)s::uuid[]) AND endpoint_id <> ALL(%(endpoints)s::uuid[])
+    AND tenant_id <> ALL(%(tenants)b::uuid[]) AND endpoint_id <> ALL(%(endpoints)b::uuid[])
 ORDER BY priority DESC, next_attempt_at
 LIMIT %(limit)s
 """
@@ -270,7 +270,7 @@ WITH w AS MATERIALIZED (
     LIMIT %(window)s
 ), picked AS (
     SELECT * FROM w
-    WHERE tenant_id <> ALL(%(tenants)s::uuid[]) AND endpoint_id <> ALL(%(endpoints)s::uuid[])
+    WHERE tenant_id <> ALL(%(tenants)b::uuid[]) AND endpoint_id <> ALL(%(endpoints)b::uuid[])
     ORDER BY priority DESC, next_attempt_at
     LIMIT %(limit)s
 )
@@ -300,7 +300,7 @@ SELECT endpoint_id::text FROM endpoints WHERE endpoint_id IS NOT NULL
 # tenant is its endpoint's), gives its first due rows; the best of those are the answer.
 _SCAN_DUE_OF_ENDPOINTS_SQL = """
 SELECT r.id::text, r.tenant_id::text, r.endpoint_id::text, r.priority
-FROM unnest(%(candidates)s::uuid[]) AS e(endpoint_id)
+FROM unnest(%(candidates)b::uuid[]) AS e(endpoint_id)
 JOIN deliveries_endpoint ep ON ep.id = e.endpoint_id
 CROSS JOIN LATERAL (
     SELECT d.id, d.tenant_id, d.endpoint_id, d.priority, d.next_attempt_at
@@ -310,7 +310,7 @@ CROSS JOIN LATERAL (
     ORDER BY d.priority DESC, d.next_attempt_at
     LIMIT %(limit)s
 ) r
-WHERE ep.tenant_id <> ALL(%(tenants)s::uuid[])
+WHERE ep.tenant_id <> ALL(%(tenants)b::uuid[])
 ORDER BY r.priority DESC, r.next_attempt_at
 LIMIT %(limit)s
 """
@@ -388,7 +388,7 @@ _ENQUEUE_SQL = """
 WITH admitted AS (
     UPDATE deliveries_delivery SET state = 'enqueued', enqueued_at = %(now)s,
         dispatch_count = dispatch_count + 1, updated_at = %(now)s
-    WHERE id = ANY(%(ids)s::uuid[]) AND (state || '') = 'pending' AND next_attempt_at <= %(now)s
+    WHERE id = ANY(%(ids)b::uuid[]) AND (state || '') = 'pending' AND next_attempt_at <= %(now)s
     RETURNING id, dispatch_count, priority
 )
 INSERT INTO deliveries_outbox (message_key, kind, ref_id, dispatch, priority, created_at)
@@ -615,7 +615,7 @@ def lease(
 # key lookups), skip rows another worker holds, and lease them (or, for a disabled
 # endpoint, finish them) returning what sending needs, the event body included.
 _LEASE_SQL = """
-WITH wanted AS (SELECT * FROM unnest(%(ids)s::uuid[], %(dispatches)s::int[]) AS w(id, n)),
+WITH wanted AS (SELECT * FROM unnest(%(ids)b::uuid[], %(dispatches)b::int[]) AS w(id, n)),
 locked AS (
     SELECT d.id FROM deliveries_delivery d JOIN wanted ON wanted.id = d.id
     WHERE (d.state || '') = 'enqueued' AND d.dispatch_count = wanted.n
@@ -802,7 +802,7 @@ WITH done AS (
         last_outcome = 'success', last_status_code = v.status, last_error = '',
         lease_until = NULL, lease_token = NULL, last_attempt_at = %(now)s,
         updated_at = %(now)s
-    FROM unnest(%(ids)s::uuid[], %(tokens)s::uuid[], %(statuses)s::int[])
+    FROM unnest(%(ids)b::uuid[], %(tokens)b::uuid[], %(statuses)b::int[])
         AS v(id, token, status)
     WHERE d.id = v.id AND (d.state || '') = 'leased' AND d.lease_token = v.token
     RETURNING d.id, d.endpoint_id
@@ -875,9 +875,9 @@ UPDATE deliveries_delivery d SET state = v.state,
     finished_at = coalesce(v.finished_at, d.finished_at),
     last_outcome = v.outcome, last_status_code = v.status, last_error = v.error,
     lease_until = NULL, lease_token = NULL, last_attempt_at = %(now)s, updated_at = %(now)s
-FROM unnest(%(ids)s::uuid[], %(tokens)s::uuid[], %(states)s::text[],
-    %(next)s::timestamptz[], %(finished)s::timestamptz[], %(outcomes)s::text[],
-    %(statuses)s::int[], %(errors)s::text[])
+FROM unnest(%(ids)b::uuid[], %(tokens)b::uuid[], %(states)b::text[],
+    %(next)b::timestamptz[], %(finished)b::timestamptz[], %(outcomes)b::text[],
+    %(statuses)b::int[], %(errors)b::text[])
     AS v(id, token, state, next_attempt_at, finished_at, outcome, status, error)
 WHERE d.id = v.id AND (d.state || '') = 'leased' AND d.lease_token = v.token
 """

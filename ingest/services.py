@@ -421,8 +421,8 @@ def inbound_store_many(*, source: Source, events: Sequence[NewEvent]) -> tuple[i
 # CTE does not see the rows its siblings insert).
 _INSERT_MANY_SQL = """
 WITH rows AS (
-    SELECT gen_random_uuid() AS id, r.* FROM unnest(%(event_ids)s::text[], %(types)s::text[],
-        %(entities)s::text[], %(occurred)s::timestamptz[], %(bodies)s::bytea[])
+    SELECT gen_random_uuid() AS id, r.* FROM unnest(%(event_ids)b::text[], %(types)b::text[],
+        %(entities)b::text[], %(occurred)b::timestamptz[], %(bodies)b::bytea[])
         AS r(event_id, event_type, entity_id, occurred_at, body)
 ), new AS (
     INSERT INTO ingest_inboundevent (id, source_id, event_id, event_type, entity_id,
@@ -576,7 +576,7 @@ def _log_processed(event_id, slug, provider_id, event_type, attempt, result, sec
 _LEASE_SQL = """
 WITH locked AS (
     SELECT e.id FROM ingest_inboundevent e
-    JOIN unnest(%(ids)s::uuid[], %(dispatches)s::int[]) AS m(id, dispatch)
+    JOIN unnest(%(ids)b::uuid[], %(dispatches)b::int[]) AS m(id, dispatch)
         ON e.id = m.id AND e.dispatch_count = m.dispatch
     WHERE e.state = 'enqueued'
     FOR UPDATE OF e SKIP LOCKED
@@ -808,7 +808,7 @@ def _applied_versions(version_keys: list[str]) -> dict[str, datetime]:
         return {}
     with bound_cursor() as cursor:
         cursor.execute(
-            "SELECT key, applied_at FROM ingest_entityversion WHERE key = ANY(%(keys)s::text[])"
+            "SELECT key, applied_at FROM ingest_entityversion WHERE key = ANY(%(keys)b::text[])"
             " ORDER BY key FOR UPDATE",
             {"keys": version_keys},
         )
@@ -823,24 +823,24 @@ _COMPLETE_SQL = """
 WITH done AS (
     UPDATE ingest_inboundevent e SET state = d.state, lease_until = NULL, lease_token = NULL,
         last_error = '', processed_at = %(now)s
-    FROM unnest(%(ids)s::uuid[], %(states)s::text[]) AS d(id, state)
+    FROM unnest(%(ids)b::uuid[], %(states)b::text[]) AS d(id, state)
     WHERE e.id = d.id AND e.state = 'processing' AND e.lease_token = %(token)s
     RETURNING e.id
 ), runs AS (
     INSERT INTO ingest_handlerrun (event_id, handler, attempt, started_at, duration_ms,
         outcome, error)
-    SELECT r.*, '' FROM unnest(%(run_events)s::uuid[], %(run_handlers)s::text[],
-        %(run_attempts)s::int[], %(run_started)s::timestamptz[], %(run_durations)s::float8[],
-        %(run_outcomes)s::text[]) AS r
+    SELECT r.*, '' FROM unnest(%(run_events)b::uuid[], %(run_handlers)b::text[],
+        %(run_attempts)b::int[], %(run_started)b::timestamptz[], %(run_durations)b::float8[],
+        %(run_outcomes)b::text[]) AS r
 ), versions AS (
     INSERT INTO ingest_entityversion (key, applied_at, event_id)
-    SELECT * FROM unnest(%(version_keys)s::text[], %(version_times)s::timestamptz[],
-        %(version_events)s::uuid[])
+    SELECT * FROM unnest(%(version_keys)b::text[], %(version_times)b::timestamptz[],
+        %(version_events)b::uuid[])
     ON CONFLICT (key) DO UPDATE SET applied_at = EXCLUDED.applied_at,
         event_id = EXCLUDED.event_id
     WHERE ingest_entityversion.applied_at <= EXCLUDED.applied_at
 ), unlock AS (
-    DELETE FROM deliveries_entitylock WHERE key = ANY(%(lock_keys)s::text[])
+    DELETE FROM deliveries_entitylock WHERE key = ANY(%(lock_keys)b::text[])
         AND owner = %(owner)s
 )
 SELECT count(*) FROM done
