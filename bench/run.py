@@ -445,20 +445,11 @@ def scenario_inbound(ctx: dict) -> dict:
             t0 = time.perf_counter()
             ack = asyncio.run(inbound_load(f"http://127.0.0.1:{port}/ingest/{INBOUND_SLUG}/", n))
             t_ack = time.perf_counter() - t0
-            deadline = time.perf_counter() + ctx["timeout"]
-            while True:
-                states = dict(
-                    ob.sql("SELECT state, count(*) FROM ingest_inboundevent GROUP BY state")
-                )
-                done = states.get("processed", 0) + states.get("skipped", 0)
-                if done >= n:
-                    break
-                if states.get("dead") or time.perf_counter() > deadline:
-                    raise ob.BenchError(f"inbound: not processed: {states}")
-                time.sleep(0.1)
+            wait_inbound_processed(n, time.perf_counter() + ctx["timeout"], 0.1)
             t_done = time.perf_counter() - t0
         finally:
             ob.stop([p for _, p in procs] + [web])
+        states = inbound_states()
         if ack["statuses"] != {202: n} and ack["statuses"] != {200: n}:
             raise ob.BenchError(f"inbound: answers {ack['statuses']}")
         run = {
@@ -498,17 +489,8 @@ def inbound_backlog(ctx: dict, pipeline) -> dict:
     n = ctx["inbound_backlog"]
     inbound_process.store_backlog(n, "distinct")
     procs = start_pipeline(pipeline, ctx["base_url"], ctx["db_name"], ctx["logs"])
-    deadline = time.perf_counter() + ctx["timeout"]
     try:
-        while True:
-            states = dict(ob.sql("SELECT state, count(*) FROM ingest_inboundevent GROUP BY state"))
-            if states.get("processed", 0) >= n:
-                break
-            if set(states) - {"pending", "enqueued", "processing", "processed"}:
-                raise ob.BenchError(f"inbound backlog: {states}")
-            if time.perf_counter() > deadline:
-                raise ob.BenchError(f"inbound backlog: not processed: {states}")
-            time.sleep(0.05)
+        wait_inbound_processed(n, time.perf_counter() + ctx["timeout"], 0.05)
     finally:
         ob.stop([p for _, p in procs])
     # From the first handler run's start to the last commit (a batch's events share one
@@ -525,6 +507,32 @@ def inbound_backlog(ctx: dict, pipeline) -> dict:
         "backlog_processed_per_second": round(n / span, 1) if span > 0 else None,
         "backlog_processed_seconds": round(span, 3),
     }
+
+
+# Whether any inbound event is still to be processed: two probes of partial indexes
+# (inbound_in_flight, inbound_due), so that watching for the end costs the pipeline
+# nothing measurable. Counting every event by state instead took up to 10 ms a poll at
+# 20,000 events, 20 times a second, on the cores the pipeline runs on.
+_INBOUND_UNFINISHED_SQL = """
+SELECT EXISTS (SELECT 1 FROM ingest_inboundevent WHERE state IN ('enqueued', 'processing'))
+    OR EXISTS (SELECT 1 FROM ingest_inboundevent WHERE state = 'pending')
+"""
+
+
+def inbound_states() -> dict[str, int]:
+    return dict(ob.sql("SELECT state, count(*) FROM ingest_inboundevent GROUP BY state"))
+
+
+def wait_inbound_processed(n: int, deadline: float, poll: float) -> None:
+    """Until no inbound event is left to process; then all ``n`` must be processed (or
+    skipped), none failed or dead."""
+    while ob.sql(_INBOUND_UNFINISHED_SQL)[0][0]:
+        if time.perf_counter() > deadline:
+            raise ob.BenchError(f"inbound: not processed in time: {inbound_states()}")
+        time.sleep(poll)
+    states = inbound_states()
+    if states.get("processed", 0) + states.get("skipped", 0) != n:
+        raise ob.BenchError(f"inbound: {n} events, states {states}")
 
 
 def ob_free_port() -> int:
