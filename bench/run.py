@@ -445,11 +445,10 @@ def scenario_inbound(ctx: dict) -> dict:
             t0 = time.perf_counter()
             ack = asyncio.run(inbound_load(f"http://127.0.0.1:{port}/ingest/{INBOUND_SLUG}/", n))
             t_ack = time.perf_counter() - t0
-            wait_inbound_processed(n, time.perf_counter() + ctx["timeout"], 0.1)
+            states = wait_inbound_processed(n, time.perf_counter() + ctx["timeout"], 0.1)
             t_done = time.perf_counter() - t0
         finally:
             ob.stop([p for _, p in procs] + [web])
-        states = inbound_states()
         if ack["statuses"] != {202: n} and ack["statuses"] != {200: n}:
             raise ob.BenchError(f"inbound: answers {ack['statuses']}")
         run = {
@@ -523,9 +522,9 @@ def inbound_states() -> dict[str, int]:
     return dict(ob.sql("SELECT state, count(*) FROM ingest_inboundevent GROUP BY state"))
 
 
-def wait_inbound_processed(n: int, deadline: float, poll: float) -> None:
+def wait_inbound_processed(n: int, deadline: float, poll: float) -> dict[str, int]:
     """Until no inbound event is left to process; then all ``n`` must be processed (or
-    skipped), none failed or dead."""
+    skipped), none failed or dead. Returns the count of events by state."""
     while ob.sql(_INBOUND_UNFINISHED_SQL)[0][0]:
         if time.perf_counter() > deadline:
             raise ob.BenchError(f"inbound: not processed in time: {inbound_states()}")
@@ -533,6 +532,7 @@ def wait_inbound_processed(n: int, deadline: float, poll: float) -> None:
     states = inbound_states()
     if states.get("processed", 0) + states.get("skipped", 0) != n:
         raise ob.BenchError(f"inbound: {n} events, states {states}")
+    return states
 
 
 def ob_free_port() -> int:

@@ -124,10 +124,9 @@ def admit_due(*, now: datetime, page_size: int, limits: Limits) -> AdmissionResu
             result.saturated = True
             return result
         full_tenants = {t for t, n in by_tenant.items() if n >= limits.tenant_max_in_flight}
-        slots = _Slots(limits, by_tenant, by_endpoint)
-        in_flight_limits = _endpoint_limits(by_endpoint)
+        slots = _Slots(limits, by_tenant, by_endpoint, _endpoint_limits(by_endpoint))
         full_endpoints = {
-            e for e, n in by_endpoint.items() if n >= slots.ceiling(in_flight_limits.get(e))
+            e for e, n in by_endpoint.items() if n >= slots.ceiling(slots.endpoints.get(e))
         }
         # Chunks of due rows, each scanned past the free slots so that tenants share
         # it round-robin. A row held back fills its tenant or endpoint (ceiling reached,
@@ -158,20 +157,30 @@ ADMISSION_CHUNK = 256
 class _Slots:
     """The ceilings of one admission pass, counting what it admits."""
 
-    def __init__(self, limits: Limits, by_tenant: Counter, by_endpoint: Counter) -> None:
+    def __init__(
+        self, limits: Limits, by_tenant: Counter, by_endpoint: Counter, endpoints: dict
+    ) -> None:
         self.limits = limits
         self.by_tenant = by_tenant
         self.by_endpoint = by_endpoint
-        self.endpoints: dict[str, dict] = {}
+        # _endpoint_limits rows, starting with the endpoints in flight (read once a pass,
+        # for the full endpoints and for admission alike).
+        self.endpoints: dict[str, dict] = dict(endpoints)
         self.buckets: dict[str, _Bucket] = {}
+        self._bucketed: set[str] = set()
 
     def load_endpoints(self, ids: set[str], now: datetime) -> None:
-        new = ids - self.endpoints.keys()
-        if not new:
+        """The limits and start-rate buckets of the endpoints of scanned rows, each read
+        once a pass."""
+        missing = ids - self.endpoints.keys()
+        if missing:
+            self.endpoints.update(_endpoint_limits(missing))
+        unbucketed = ids - self._bucketed
+        if not unbucketed:
             return
-        loaded = _endpoint_limits(new)
-        self.endpoints.update(loaded)
-        self.buckets.update({str(k): b for k, b in _rate_buckets(loaded.values(), now).items()})
+        self._bucketed |= unbucketed
+        rows = [self.endpoints[e] for e in unbucketed if e in self.endpoints]
+        self.buckets.update({str(k): b for k, b in _rate_buckets(rows, now).items()})
 
     def tenant_full(self, tenant_id: str) -> bool:
         return self.by_tenant[tenant_id] >= self.limits.tenant_max_in_flight
