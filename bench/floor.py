@@ -14,11 +14,12 @@ service's tables and indexes, and nothing else:
 * ``relay``: in one transaction, ``loops._OUTBOX_PAGE_SQL`` marking the page published
   and the broker's ``_ENQUEUE_SQL`` (the database broker's publication and its record
   commit together, as the service's relay does);
-* ``worker`` (one process per core, lanes of one asyncio connection each): the broker's
-  ``_DEQUEUE_SQL``, ``state._LEASE_SQL``, a signed POST per delivery through one bare
-  ``aiohttp.ClientSession`` (no egress checks), then in one transaction the attempts by
-  COPY and ``state._SUCCEED_SQL``, then the broker's ``_ACKNOWLEDGE_SQL``. No ceilings,
-  no rate limits, no retries (any answer but 200 stops the run), no metrics, no logs.
+* ``worker`` (one process per core, lanes of one asyncio connection each): in one
+  transaction the broker's ``_LOCK_SQL``, ``state._LEASE_SQL`` and the broker's
+  ``_SETTLE_SQL`` spending the messages (the service's take); a signed POST per delivery
+  through one bare ``aiohttp.ClientSession`` (no egress checks); then in one
+  transaction the attempts by COPY and ``state._SUCCEED_SQL``. No ceilings, no rate
+  limits, no retries (any answer but 200 stops the run), no metrics, no logs.
 
 So the service's distance to this floor is what its Python costs (Django, the thread
 hop to the database, the egress checks, classification, ceilings, fairness, metrics),
@@ -139,13 +140,17 @@ def run_relay(page: int) -> None:
 
 
 def take_steps(queue: str, batch: int):
-    """Dequeue and lease a batch: (taken, leased, token), or None when the queue is empty."""
+    """Take a batch and lease it in one transaction, spending the messages, as the
+    service's worker does with the database broker: (leased, token), or None when the
+    queue is empty."""
     from deliveries import broker, state
 
     t = now()
     until = t + timedelta(seconds=60)
-    taken = yield ("query", broker._DEQUEUE_SQL, [until, queue, t, batch])
+    yield ("query", "BEGIN", None)
+    taken = yield ("query", broker._LOCK_SQL, [queue, t, batch])
     if not taken:
+        yield ("query", "COMMIT", None)
         return None
     messages = [broker.Message.decode(r[1]) for r in taken]
     token = uuid.uuid4()
@@ -157,12 +162,15 @@ def take_steps(queue: str, batch: int):
         "now": t,
     }
     leased = yield ("binary", state._LEASE_SQL, params)
-    return taken, leased, token
+    spent = {"spent": [r[0] for r in taken], "hidden": [], "until": until}
+    yield ("query", broker._SETTLE_SQL, spent)
+    yield ("query", "COMMIT", None)
+    return leased, token
 
 
-def record_steps(taken: list, leased: list, token, rows: list):
-    """The attempts and the successes in one transaction, then the acknowledgement."""
-    from deliveries import broker, state
+def record_steps(leased: list, token, rows: list):
+    """The attempts and the successes in one transaction."""
+    from deliveries import state
 
     yield ("query", "BEGIN", None)
     yield (
@@ -176,7 +184,6 @@ def record_steps(taken: list, leased: list, token, rows: list):
         params = {"now": now(), "ids": ids, "tokens": [token] * len(ids), "statuses": statuses}
         yield ("query", state._SUCCEED_SQL, params)
     yield ("query", "COMMIT", None)
-    yield ("query", broker._ACKNOWLEDGE_SQL, [[r[0] for r in taken]])
 
 
 def endpoint_steps(endpoint_id):
@@ -296,12 +303,12 @@ async def run_worker(lanes: int, batch: int, *, egress: bool, db_thread: bool) -
             if took is None:
                 await asyncio.sleep(IDLE_SLEEP)
                 continue
-            taken, leased, token = took
+            leased, token = took
             for item in leased:
                 if item[2] not in urls:
                     urls[item[2]], secrets[item[2]] = await run(endpoint_steps(item[2]))
             rows = await asyncio.gather(*(post(item) for item in leased))
-            await run(record_steps(taken, leased, token, rows))
+            await run(record_steps(leased, token, rows))
 
     async with await psycopg.AsyncConnection.connect(connect_url(), autocommit=True) as conn:
         await conn.execute(REGISTER_SQL, registration("floor-worker"))

@@ -8,8 +8,8 @@ per delivery can be read on its own:
 2. **scheduler**: ``scheduler_tick()`` until all N deliveries are admitted (outbox rows);
 3. **relay**: ``relay_tick()`` until all N outbox rows are on the broker;
 4. **worker**: one ``deliveries.worker.Worker`` until the queue is empty, with its steps
-   wrapped to record wall time and the CPU time of the thread running them (dequeue,
-   lease, load endpoints and secrets, HTTP send, signing, record, acknowledge).
+   wrapped to record wall time and the CPU time of the thread running them (the take:
+   lock, lease, load endpoints and secrets, settle; HTTP send, signing, record).
 
 CPU is per thread (``time.thread_time``): the event loop's thread versus the database
 threads, plus the PostgreSQL server's CPU over each stage. The in-flight ceilings are
@@ -191,8 +191,9 @@ def run_worker(
 
     meter = Meter()
     patches = [
-        (broker, "receive"),
-        (broker, "acknowledge"),
+        (worker, "_take"),
+        (broker.DatabaseBroker, "lock"),
+        (broker.DatabaseBroker, "settle"),
         (worker, "_claim"),
         (worker, "_record_and_acknowledge"),
         (worker, "signature_header"),
@@ -225,9 +226,9 @@ def run_worker(
         for mod, attr, fn in saved:
             setattr(mod, attr, fn)
         EgressSession.post = post
-    db_thread_cpu = sum(v for k, v in meter.cpu.items() if k.split(".")[0] == "worker") + sum(
-        meter.cpu[k] for k in ("broker.receive", "broker.acknowledge")
-    )
+    # What the database threads ran: the takes and the recordings (the steps above are
+    # parts of these two).
+    db_thread_cpu = meter.cpu["worker._take"] + meter.cpu["worker._record_and_acknowledge"]
     return {
         "counts": dict(counts),
         "db_threads_cpu_us_per_delivery": round(db_thread_cpu / n * 1e6, 1),

@@ -1,11 +1,14 @@
 """Queue transport behind django-q2's broker interface.
 
-``DatabaseBroker`` is the default: a queue table in the service's own database. On
-PostgreSQL a dequeue takes a batch with ``FOR UPDATE SKIP LOCKED`` and hides it for the
-visibility timeout in the same transaction; an acknowledgement deletes the rows, so the
-table only ever holds live messages. On SQLite the same statements run inside IMMEDIATE
-transactions, which serialise them. (django-q2's own ORM broker claims one row at a time
-with no SKIP LOCKED and no index, hence this class.)
+``DatabaseBroker`` is the default: a queue table in the service's own database. A take
+locks a batch (``FOR UPDATE SKIP LOCKED`` on PostgreSQL) and settles it in the caller's
+transaction: the messages the caller has spent are deleted, the rest hidden for the
+visibility timeout, to be acknowledged (deleted) once processed. The workers spend a
+delivery's message in the transaction that leases the delivery, since from then on the
+lease is its record; django-q2's ``dequeue`` hides every message. The table only ever
+holds live messages. On SQLite the same statements run inside IMMEDIATE transactions,
+which serialise them. (django-q2's own ORM broker claims one row at a time with no SKIP
+LOCKED and no index, hence this class.)
 
 Any other ``django_q.brokers.Broker`` works too (``QUEUE_BROKER_CLASS``), e.g. django-q2's
 Redis broker. A broker without acknowledgements loses the messages a killed worker held;
@@ -86,13 +89,20 @@ class Message:
             raise UnreadableMessage(f"version {version} message without {exc}") from exc
 
 
-_DEQUEUE_SQL = """
-UPDATE deliveries_queuemessage SET visible_at = %s, receives = receives + 1
-WHERE id IN (
-    SELECT id FROM deliveries_queuemessage WHERE queue = %s AND visible_at <= %s
-    ORDER BY priority DESC, visible_at LIMIT %s FOR UPDATE SKIP LOCKED
-)
-RETURNING id, payload, priority
+# A take, in the caller's transaction: lock visible messages of a queue, highest priority
+# first (the index queue_visible), skipping those another take holds...
+_LOCK_SQL = """
+SELECT id, payload FROM deliveries_queuemessage WHERE queue = %s AND visible_at <= %s
+ORDER BY priority DESC, visible_at LIMIT %s FOR UPDATE SKIP LOCKED
+"""
+
+# ...then settle them: delete the spent, hide the rest for the visibility timeout. A
+# spent message never gets a second row version: a delivery's message costs the queue an
+# insert and a delete.
+_SETTLE_SQL = """
+WITH spent AS (DELETE FROM deliveries_queuemessage WHERE id = ANY(%(spent)b::bigint[]))
+UPDATE deliveries_queuemessage SET visible_at = %(until)s, receives = receives + 1
+WHERE id = ANY(%(hidden)b::bigint[])
 """
 
 
@@ -149,27 +159,47 @@ class DatabaseBroker(Broker):
     def dequeue(self, limit: int | None = None) -> list[tuple[int, str]]:
         """Take up to ``limit`` visible messages, highest priority first, and hide them
         for the visibility timeout. An unacknowledged message becomes visible again."""
-        now = timezone.now()
-        limit = limit or settings.WORKER_BATCH_SIZE
-        hidden_until = now + self._visibility()
+        with transaction.atomic(savepoint=False):
+            rows = self.lock(limit or settings.WORKER_BATCH_SIZE)
+            self.settle(spent=[], hidden=[r[0] for r in rows])
+        return rows
+
+    def lock(self, limit: int) -> list[tuple[int, str]]:
+        """The first half of a take, inside the caller's transaction: up to ``limit``
+        visible messages, highest priority first, locked until ``settle`` and the commit
+        (other takes skip them). A rollback leaves them as they were, visible at once."""
+        if not connection.in_atomic_block:
+            raise RuntimeError("a take runs inside a transaction")
         if connection.vendor == "postgresql":
             with bound_cursor() as cursor:
-                # One statement: claim and hide. The inner SELECT uses queue_visible.
-                cursor.execute(_DEQUEUE_SQL, [hidden_until, self.list_key, now, limit])
-                rows = cursor.fetchall()
-            rows.sort(key=lambda r: (-r[2], r[0]))
-            return [(r[0], r[1]) for r in rows]
-        with transaction.atomic():
-            rows = list(
-                QueueMessage.objects.filter(queue=self.list_key, visible_at__lte=now)
-                .order_by("-priority", "visible_at")
-                .values_list("id", "payload")[:limit]
-            )
-            if rows:
-                QueueMessage.objects.filter(id__in=[r[0] for r in rows]).update(
-                    visible_at=hidden_until, receives=F("receives") + 1
+                cursor.execute(_LOCK_SQL, [self.list_key, timezone.now(), limit])
+                return cursor.fetchall()
+        # SQLite: the IMMEDIATE transaction holds the write lock; nobody else takes.
+        return list(
+            QueueMessage.objects.filter(queue=self.list_key, visible_at__lte=timezone.now())
+            .order_by("-priority", "visible_at")
+            .values_list("id", "payload")[:limit]
+        )
+
+    def settle(self, *, spent: Sequence[int], hidden: Sequence[int]) -> None:
+        """The second half of a take: delete the ``spent`` messages (the caller has
+        recorded what they asked for in the same transaction) and hide the others for the
+        visibility timeout, to be acknowledged when processed."""
+        if not spent and not hidden:
+            return
+        until = timezone.now() + self._visibility()
+        if connection.vendor == "postgresql":
+            with bound_cursor() as cursor:
+                cursor.execute(
+                    _SETTLE_SQL, {"spent": list(spent), "hidden": list(hidden), "until": until}
                 )
-        return rows
+            return
+        if spent:
+            QueueMessage.objects.filter(id__in=list(spent)).delete()
+        if hidden:
+            QueueMessage.objects.filter(id__in=list(hidden)).update(
+                visible_at=until, receives=F("receives") + 1
+            )
 
     def acknowledge(self, task_id: int) -> None:
         self.acknowledge_many([task_id])

@@ -6,7 +6,12 @@ A kind registers:
 
 - ``process(messages)``: run in a worker's database thread with the decoded broker
   messages of that kind; it leases, runs and records them, guarded like deliveries, and
-  returns counts. The worker acknowledges the messages after it returns.
+  returns counts. With the database broker the worker's take has spent (deleted) the
+  messages already, in the transaction that took them; with a broker that acknowledges,
+  the worker acknowledges them after ``process`` returns. Either way a message can be
+  gone while its job is not done (a worker that died between the take and the job's
+  own lease), so ``schedule`` must recover such dispatches, as deliveries' lost-dispatch
+  sweep does.
 - ``schedule(now, page_size)``: run by the scheduler's sweeps (once per
   ``SCHEDULER_INTERVAL``, and again on the next pass while it reports more work); admits
   due jobs (writing their outbox rows), expires leases and recovers lost dispatches;

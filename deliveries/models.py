@@ -367,9 +367,10 @@ class Outbox(models.Model):
 class QueueMessage(models.Model):
     """The database broker's queue (``deliveries.broker.DatabaseBroker``).
 
-    A message is visible when ``visible_at <= now``; a dequeue moves ``visible_at`` to
-    now + visibility timeout; an acknowledgement deletes the row, so the table holds only
-    live messages."""
+    A message is visible when ``visible_at <= now``. A take locks visible messages and,
+    in the same transaction, deletes those it spent (a worker's delivery messages, spent
+    with their leases) and moves the others' ``visible_at`` to now + the visibility
+    timeout; an acknowledgement deletes those. The table holds only live messages."""
 
     id = models.BigAutoField(primary_key=True)
     queue = models.CharField(max_length=100)
@@ -381,7 +382,7 @@ class QueueMessage(models.Model):
 
     class Meta:
         indexes = [
-            # The broker's dequeue: visible messages of a queue, by priority then age.
+            # The broker's take: visible messages of a queue, by priority then age.
             models.Index(fields=["queue", "-priority", "visible_at"], name="queue_visible"),
         ]
 

@@ -648,7 +648,8 @@ RETURNING d.id, d.event_id, d.endpoint_id, d.tenant_id, e.event_type, e.body,
 
 
 def _lease_postgres(messages, *, now, until, token) -> list[tuple]:
-    with transaction.atomic(), bound_cursor() as cursor:
+    # No savepoint: the worker leases inside its take's transaction, all or nothing.
+    with transaction.atomic(savepoint=False), bound_cursor() as cursor:
         cursor.execute(
             _LEASE_SQL,
             {
@@ -668,7 +669,7 @@ def _lease_postgres(messages, *, now, until, token) -> list[tuple]:
 def _lease_portable(messages, *, now, until, token) -> list[tuple]:
     """The same transition for SQLite (its IMMEDIATE transactions serialise writers)."""
     wanted = dict(messages)
-    with transaction.atomic():
+    with transaction.atomic(savepoint=False):
         rows = [
             r
             for r in Delivery.objects.filter(id__in=wanted, state=ENQUEUED).values_list(

@@ -3,13 +3,14 @@ database from a small thread pool.
 
 One unit of work (``Worker.process_batch``):
 
-1. take a batch of messages from the broker;
-2. lease their deliveries in one transaction (skipping stale or raced copies) and load
-   what sending needs: endpoints, secrets, bodies;
-3. send every request concurrently, with no transaction open, through the egress module;
-4. record the attempts and transitions in one transaction (a batch whose answers come in
+1. take a batch of messages from the broker and lease their deliveries (skipping stale
+   or raced copies), loading what sending needs: endpoints, secrets, bodies. With the
+   database broker this is one transaction, which also spends (deletes) the delivery
+   messages: the lease is their record from then on;
+2. send every request concurrently, with no transaction open, through the egress module;
+3. record the attempts and transitions in one transaction (a batch whose answers come in
    over time is recorded in groups, every ``RECORD_EVERY`` seconds);
-5. acknowledge the recorded messages on the broker.
+4. acknowledge the recorded messages on a broker outside the database (Redis).
 
 Several lanes take batches at once so that the database work of one overlaps the network
 work of another, and a lane does not wait for its batch's answers: it takes the next
@@ -19,9 +20,10 @@ soon as answers come in, while the answered batch is being recorded). An endpoin
 30 s per request holds only its own request slots (and at most its concurrency ceiling
 of them), never a lane (docs/reliability.md, head-of-line isolation).
 
-A worker that dies anywhere in this leaves either unacknowledged messages (redelivered
-after the visibility timeout) or a lease (returned by the scheduler when it runs out):
-late, never lost.
+A worker that dies anywhere in this leaves its messages untaken (the take rolled back), or
+a lease (returned by the scheduler when it runs out), or, with a broker outside the
+database, unacknowledged messages (redelivered after the visibility timeout; their
+copies find the delivery leased or done and are dropped): late, never lost.
 
 Shutdown (SIGTERM): the lanes take no new batch; the requests in flight get
 ``WORKER_SHUTDOWN_GRACE`` seconds to finish and are recorded as usual. Past the grace, the
@@ -122,9 +124,40 @@ class Taken:
 
 
 def _take(broker, batch_size: int, lease_seconds: float) -> Taken:
-    """Dequeue a batch and lease its deliveries: one trip to the database thread."""
+    """Take a batch and lease its deliveries: one trip to the database thread.
+
+    With the database broker, one transaction locks the messages, leases their
+    deliveries and spends (deletes) every message this worker can handle: from then on a
+    delivery's lease is its record, and a worker that dies leaves it to run out; the
+    other kinds' jobs lease their rows next and recover a dispatch whose message is gone
+    (deliveries.jobs). Messages it cannot read, or of kinds it does not know, are hidden
+    for the visibility timeout and left for a release that can. A worker that dies
+    before the commit leaves the messages as they were. With another broker the batch
+    is received first and the deliveries leased after."""
     close_old_connections()
-    received = transport.receive(broker, batch_size)
+    if isinstance(broker, transport.DatabaseBroker):
+        with transaction.atomic():
+            received = broker.lock(batch_size)
+            messages, others = _sort(received)
+            claimed = _claim(messages, lease_seconds) if messages else None
+            spent = {t for t, _ in messages}
+            spent.update(t for kind in others if kind in jobs.KINDS for t, _ in others[kind])
+            broker.settle(spent=list(spent), hidden=[t for t, _ in received if t not in spent])
+        # Spent: nothing to acknowledge.
+        messages = [(None, m) for _, m in messages]
+        for kind in others.keys() & jobs.KINDS.keys():
+            others[kind] = [(None, m) for _, m in others[kind]]
+    else:
+        received = transport.receive(broker, batch_size)
+        messages, others = _sort(received)
+        claimed = _claim(messages, lease_seconds) if messages else None
+    ENDPOINT_LABELS.refresh_if_due()
+    return Taken(len(received), messages, others, claimed)
+
+
+def _sort(received: list[tuple[object, str]]) -> tuple[list, dict]:
+    """Decode a batch: (task id, message) of deliveries, and kind -> [(task id, message)]
+    of the other kinds."""
     messages, others = [], {}
     for task_id, payload in received:
         try:
@@ -142,9 +175,7 @@ def _take(broker, batch_size: int, lease_seconds: float) -> Taken:
             messages.append((task_id, m))
         else:
             others.setdefault(m.kind, []).append((task_id, m))
-    claimed = _claim(messages, lease_seconds) if messages else None
-    ENDPOINT_LABELS.refresh_if_due()
-    return Taken(len(received), messages, others, claimed)
+    return messages, others
 
 
 def _claim(messages: list[tuple[object, transport.Message]], lease_seconds: float) -> Claimed:
@@ -244,22 +275,18 @@ def _record_and_acknowledge(
     task_ids: list,
     released: list[state.Leased],
 ) -> tuple[state.RecordSummary, int]:
-    """Record the batch, give back the leases of requests cut off by a shutdown, then
-    acknowledge its messages (a released delivery is dispatched again by the scheduler,
-    so its old message is spent). With the database broker all of it happens in one
-    transaction; with another broker the acknowledgement follows the commit (a crash in
-    between redelivers messages whose deliveries are already recorded, which the lease
-    guard skips)."""
+    """Record the batch and give back the leases of requests cut off by a shutdown in
+    one transaction, then acknowledge its messages on a broker that acknowledges (a
+    released delivery is dispatched again by the scheduler, so its old message is spent;
+    a crash between the commit and the acknowledgement redelivers messages whose
+    deliveries are recorded already, which the lease guard skips). The database broker's
+    delivery messages were spent by the take: their task ids are None."""
     close_old_connections()
-    same_database = isinstance(broker, transport.DatabaseBroker)
     with transaction.atomic():
         now = timezone.now()
         summary = state.record(results, now=now, policy=policy)
         returned = state.release(released, now=now) if released else 0
-        if same_database:
-            transport.acknowledge(broker, task_ids)
-    if not same_database:
-        transport.acknowledge(broker, task_ids)
+    transport.acknowledge(broker, task_ids)
     return summary, returned
 
 
@@ -352,7 +379,8 @@ class Worker:
         return taken.received, sending
 
     async def _process_other(self, kind: str, items: list) -> None:
-        """Jobs registered by other apps (deliveries.jobs); unknown kinds are left
+        """Jobs registered by other apps (deliveries.jobs), acknowledged after they ran
+        (the database broker's take spent them already); unknown kinds are left
         unacknowledged so that a worker that knows them gets them later."""
         job = jobs.KINDS.get(kind)
         if job is None:
@@ -384,9 +412,14 @@ class Worker:
         for task_id, m in messages:
             by_delivery.setdefault(m.job_id, []).append(task_id)
         leased_ids = {item.id for item in claimed.leased}
-        # Messages that leased nothing (stale or raced copies) go with the first group.
+        # Messages that leased nothing (stale or raced copies) go with the first group
+        # (spent already with the database broker: task id None).
         unmatched = [
-            t for job_id, ids in by_delivery.items() if job_id not in leased_ids for t in ids
+            t
+            for job_id, ids in by_delivery.items()
+            if job_id not in leased_ids
+            for t in ids
+            if t is not None
         ]
         released: list[state.Leased] = []
         tasks: dict[asyncio.Task, state.Leased] = {}

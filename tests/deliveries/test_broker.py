@@ -3,10 +3,12 @@ django-q2's Redis broker driving the same pipeline."""
 
 import json
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
 from django.conf import settings
+from django.db import connection, transaction
 from django.utils import timezone
 from django_q.brokers.redis_broker import Redis
 
@@ -40,6 +42,62 @@ def test_database_broker_hands_each_message_to_one_consumer_until_it_times_out(s
 
     b.acknowledge_many([i for i, _ in again + second])
     assert QueueMessage.objects.count() == 0
+
+
+def test_a_take_spends_some_messages_and_hides_the_rest_in_the_callers_transaction(settings):
+    settings.QUEUE_VISIBILITY_TIMEOUT = 60
+    b = DatabaseBroker(list_key="take")
+    ids = b.enqueue_many(["spent", "hidden", "left"], priorities=[0, 0, 0])
+
+    with pytest.raises(RuntimeError, match="inside a transaction"):
+        b.lock(10)
+    with transaction.atomic():
+        taken = b.lock(2)
+        assert [p for _, p in taken] == ["spent", "hidden"]
+        b.settle(spent=[ids[0]], hidden=[ids[1]])
+
+    assert dict(QueueMessage.objects.values_list("payload", "receives")) == {
+        "hidden": 1,
+        "left": 0,
+    }
+    assert b.queue_size() == 1 and b.lock_size() == 1
+    assert [p for _, p in b.dequeue(10)] == ["left"]
+
+
+def test_a_take_that_rolls_back_leaves_its_messages_visible_at_once():
+    b = DatabaseBroker(list_key="rollback")
+    b.enqueue_many(["a", "b"], priorities=[0, 0])
+
+    with pytest.raises(RuntimeError, match="died"), transaction.atomic():
+        b.settle(spent=[i for i, _ in b.lock(1)], hidden=[])
+        raise RuntimeError("the worker died before its lease committed")
+
+    assert sorted(QueueMessage.objects.values_list("payload", flat=True)) == ["a", "b"]
+    assert b.queue_size() == 2
+
+
+def test_takes_in_two_transactions_at_once_never_share_a_message():
+    """A take holds its messages locked until it commits: a second take meanwhile skips
+    them (SKIP LOCKED on PostgreSQL; on SQLite the IMMEDIATE transaction waits)."""
+    if connection.vendor != "postgresql":
+        pytest.skip("SKIP LOCKED is PostgreSQL's")
+    b = DatabaseBroker(list_key="concurrent")
+    b.enqueue_many(["a", "b", "c"], priorities=[0, 0, 0])
+    with transaction.atomic():
+        first = b.lock(2)
+        other = ThreadPoolExecutor(1).submit(_take_in_a_thread, b)
+        second = other.result(timeout=30)
+        b.settle(spent=[i for i, _ in first], hidden=[])
+    assert [p for _, p in first] == ["a", "b"]
+    assert [p for _, p in second] == ["c"]
+    assert list(QueueMessage.objects.values_list("payload", flat=True)) == ["c"]
+
+
+def _take_in_a_thread(b: DatabaseBroker) -> list:
+    try:
+        return b.dequeue(10)
+    finally:
+        connection.close()
 
 
 def test_database_broker_stores_payloads_byte_for_byte_in_order():
@@ -195,3 +253,27 @@ def test_a_message_from_a_newer_release_is_left_for_it_and_its_delivery_recovere
     delivery.refresh_from_db()
     assert delivery.state == "succeeded"
     assert [r.webhook_id for r in receiver.received] == [str(delivery.id)]
+
+
+def test_a_workers_take_spends_what_it_can_handle_and_hides_the_rest(tenant, receiver):
+    """With the database broker a worker's take deletes the messages it handles (its
+    deliveries, leased in the same transaction, and registered job kinds) and hides,
+    unacknowledged, those it cannot read or whose kind it does not know."""
+    services.endpoint_create(tenant=tenant, url=receiver.url("/ok"))
+    services.publish_event(tenant=tenant, event_type="t", payload={})
+    scheduler_tick()
+    relay_tick()
+    b = DatabaseBroker(list_key=settings.Q_CLUSTER["name"])
+    b.enqueue_many(
+        [Message(uuid.uuid4(), 1, kind="from-the-future").encode(), "not a message"],
+        priorities=[0, 0],
+    )
+
+    counts = run_workers()
+
+    assert counts["succeeded"] == 1
+    left = dict(QueueMessage.objects.values_list("payload", "receives"))
+    assert len(left) == 2 and set(left.values()) == {1}  # taken once, not acknowledged
+    assert "not a message" in left
+    assert [Message.decode(p).kind for p in left if p != "not a message"] == ["from-the-future"]
+    assert b.queue_size() == 0  # hidden for the visibility timeout

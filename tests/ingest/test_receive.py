@@ -634,3 +634,29 @@ def test_in_a_batch_only_the_events_of_a_busy_entity_wait(stripe, applied):
     assert list(EntityLock.objects.values_list("key", "owner")) == [
         ("stripe:cus_9", "another worker")
     ]
+
+
+def test_a_worker_that_dies_between_its_take_and_the_lease_leaves_the_event_late_not_lost(
+    stripe, applied, settings
+):
+    """The database broker's take spends an inbound event's message before the job
+    leases the event: a worker that dies in between leaves the event enqueued with no
+    message, and the lost-dispatch sweep dispatches it again."""
+    from deliveries import broker
+    from deliveries.loops import scheduler_tick
+    from deliveries.models import QueueMessage
+    from deliveries.worker import _take
+
+    assert post(stripe_event()).status_code == 200
+    relay_tick()
+    taken = _take(broker.broker(), 10, 60)  # the take commits; the worker dies here
+
+    assert [m.kind for _, m in taken.others["inbound"]] == ["inbound"]
+    assert QueueMessage.objects.count() == 0
+    assert InboundEvent.objects.get().state == "enqueued"
+    settings.SCHEDULER_STALE_ENQUEUED_SECONDS = 0
+    assert scheduler_tick().counts["inbound.transport_lost"] == 1
+    drain()
+
+    assert InboundEvent.objects.get().state == "processed"
+    assert [e[0] for e in applied] == ["evt_1"]
