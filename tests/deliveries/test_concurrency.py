@@ -71,7 +71,10 @@ def test_concurrent_schedulers_relays_and_workers_deliver_each_delivery_once(
 
         threads.append(in_thread(work))
 
-    deadline = time.monotonic() + 90
+    # A guard against a hang, not a speed test (speed lives in bench/): on a machine whose
+    # Python ran ten to twenty times slower than usual, with a second suite beside it,
+    # the 800 deliveries took more than 90 s.
+    deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if Delivery.objects.filter(state="succeeded").count() == expected:
             break
