@@ -131,7 +131,10 @@ def test_bad_arguments_are_clear_errors(crm, args, message):
 
 N = 100_000
 PAGE_SIZE = 1000
-RATE = 2.0
+# The rate is measured as the limit that binds, so a page's work (storing 1,000 events)
+# must fit in 1/RATE: 200-350 ms on the usual 2-core test machine, about 550 ms on one
+# whose Python ran ten times slower (session 10), where 2/s paced 1.81/s.
+RATE = 1.0
 
 
 @pytest.mark.slow
@@ -154,7 +157,7 @@ def test_backfill_of_100k_records_killed_with_kill_9_and_resumed_stores_each_onc
             stderr=subprocess.DEVNULL,
             text=True,
         )
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 240  # against a hang: 40 pages take 40 s
         run = None
         while time.monotonic() < deadline:
             run = BackfillRun.objects.filter(source=crm).first()
@@ -173,7 +176,7 @@ def test_backfill_of_100k_records_killed_with_kill_9_and_resumed_stores_each_onc
             cwd=root,
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=300,
         )
         assert resumed.returncode == 0, resumed.stderr[-2000:]
     finally:
