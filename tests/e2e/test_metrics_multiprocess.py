@@ -28,13 +28,13 @@ TOKEN = "multiproc-metrics-token"
 
 
 def _get(url: str, **headers) -> tuple[int, bytes]:
-    response = requests.get(url, headers=headers, timeout=10)
+    response = requests.get(url, headers=headers, timeout=60)
     return response.status_code, response.content
 
 
 def _post(url: str, body: bytes) -> int:
     headers = {"content-type": "application/json", "stripe-signature": "t=1,v1=00"}
-    return requests.post(url, data=body, headers=headers, timeout=10).status_code
+    return requests.post(url, data=body, headers=headers, timeout=60).status_code
 
 
 def _samples(text: bytes) -> dict:
@@ -91,7 +91,9 @@ def test_counters_of_every_process_reach_one_scrape(tmp_path, tenant, make_endpo
     listener.close()
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
+        # Against a hang: two gunicorn workers each import Django, about 10 s apiece on a
+        # machine whose Python ran ten times slower.
+        deadline = time.monotonic() + 120
         while True:
             assert time.monotonic() < deadline, "gunicorn did not start"
             assert server.poll() is None, server.stderr.read().decode()
