@@ -23,3 +23,18 @@ def pre_request(worker, req):
     sock = getattr(req.unreader, "sock", None)
     if sock is not None:
         sock.settimeout(body_read_timeout)
+
+
+def post_worker_init(worker):
+    """Import the URL conf, and with it every view, before the first request.
+
+    Django imports them lazily, inside a worker's first request, and that request then
+    pays for the imports within ``timeout``: seconds on a slow host, where a worker
+    killed by the timeout was replaced by one that paid again, so that it could never
+    answer. ``notify`` restarts the timeout once the application has loaded and again
+    once the imports are done, so that each step gets the whole of it."""
+    from django.urls import get_resolver
+
+    worker.notify()
+    get_resolver().url_patterns  # noqa: B018 (imports every urls module and its views)
+    worker.notify()
