@@ -135,22 +135,23 @@ def _take(broker, batch_size: int, lease_seconds: float) -> Taken:
     before the commit leaves the messages as they were. With another broker the batch
     is received first and the deliveries leased after."""
     close_old_connections()
-    if isinstance(broker, transport.DatabaseBroker):
-        with transaction.atomic():
-            received = broker.lock(batch_size)
-            messages, others = _sort(received)
-            claimed = _claim(messages, lease_seconds) if messages else None
-            spent = {t for t, _ in messages}
-            spent.update(t for kind in others if kind in jobs.KINDS for t, _ in others[kind])
-            broker.settle(spent=list(spent), hidden=[t for t, _ in received if t not in spent])
-        # Spent: nothing to acknowledge.
-        messages = [(None, m) for _, m in messages]
-        for kind in others.keys() & jobs.KINDS.keys():
-            others[kind] = [(None, m) for _, m in others[kind]]
-    else:
+    if not isinstance(broker, transport.DatabaseBroker):
         received = transport.receive(broker, batch_size)
         messages, others = _sort(received)
         claimed = _claim(messages, lease_seconds) if messages else None
+        ENDPOINT_LABELS.refresh_if_due()
+        return Taken(len(received), messages, others, claimed)
+    with transaction.atomic():
+        received = broker.lock(batch_size)
+        messages, others = _sort(received)
+        claimed = _claim(messages, lease_seconds) if messages else None
+        spent = {t for t, _ in messages}
+        spent.update(t for kind in others if kind in jobs.KINDS for t, _ in others[kind])
+        broker.settle(spent=list(spent), hidden=[t for t, _ in received if t not in spent])
+    # Spent: nothing to acknowledge.
+    messages = [(None, m) for _, m in messages]
+    for kind in others.keys() & jobs.KINDS.keys():
+        others[kind] = [(None, m) for _, m in others[kind]]
     ENDPOINT_LABELS.refresh_if_due()
     return Taken(len(received), messages, others, claimed)
 
@@ -387,9 +388,9 @@ class Worker:
             logger.error("unknown job kind", extra={"action": "workers.unknown_kind", "kind": kind})
             return
         counts = await self._in_db_retrying(_run_job, job, [m for _, m in items])
-        await self._in_db_retrying(
-            transport.acknowledge, self.broker, [task_id for task_id, _ in items]
-        )
+        task_ids = [task_id for task_id, _ in items if task_id is not None]
+        if task_ids:
+            await self._in_db_retrying(transport.acknowledge, self.broker, task_ids)
         self.counts.update({f"{kind}.{k}": v for k, v in counts.items()})
 
     async def _deliver(self, messages: list[tuple[object, str]], claimed: "Claimed") -> None:
