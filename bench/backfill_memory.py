@@ -6,8 +6,9 @@
 
 The database is created if missing and migrated. The fake provider API of the tests
 (tests/ingest/fake_provider.py) serves computed records on 127.0.0.1 from a thread of
-this process; each backfill is a real child process whose peak RSS is read with
-``os.wait4``. Writes bench/results/backfill_memory.json.
+this process; each backfill is a real child process whose own peak RSS is read with
+``os.wait4`` by the small process of ``bench/peak_rss.py`` that starts it. Writes
+bench/results/backfill_memory.json.
 """
 
 import argparse
@@ -20,6 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench import peak_rss  # noqa: E402
+
 DEFAULT_URL = "postgres://webhooks@127.0.0.1:5432/webhooks_bench_backfill"
 
 
@@ -63,7 +66,8 @@ def main() -> None:
                 schedule=False,
             )
             started = time.monotonic()
-            child = subprocess.Popen(
+            # Its own peak, not this process's (bench/peak_rss.py says why).
+            code, peak_mib, out, _ = peak_rss.run(
                 [
                     *(sys.executable, "manage.py", "backfill", "bench-crm"),
                     *("--since", "2024-01-01", "--until", "2030-01-01", "--rate", "1000/s"),
@@ -73,14 +77,12 @@ def main() -> None:
                 stderr=subprocess.DEVNULL,
                 text=True,
             )
-            _, status, usage = os.wait4(child.pid, 0)
             elapsed = time.monotonic() - started
-            summary = child.stdout.read().strip().splitlines()[-1]
+            summary = (out.strip().splitlines() or [""])[-1]
         finally:
             provider.stop()
-        if os.waitstatus_to_exitcode(status) != 0:
+        if code != 0:
             raise SystemExit(f"backfill of {n} failed: {summary}")
-        peak_mib = usage.ru_maxrss / 1024  # kilobytes on Linux
         results.append({"records": n, "peak_rss_mib": round(peak_mib, 1), "seconds": elapsed})
         print(f"{n:>7,} records: peak RSS {peak_mib:6.1f} MiB in {elapsed:5.1f} s  | {summary}")
     if len(results) >= 2:

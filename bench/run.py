@@ -45,6 +45,7 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 
 import outbound as ob  # noqa: E402 - bench/ is not a package
+import peak_rss  # noqa: E402
 
 RESULTS = BENCH / "results"
 PEERS = {
@@ -664,20 +665,19 @@ def scenario_growth(ctx: dict) -> dict:
                 ob.sql(q)
             env = pipeline_env(ctx["base_url"], ctx["db_name"], "scheduler-once", {})
             t = time.perf_counter()
-            proc = subprocess.Popen(
+            # Its own peak, not this process's (bench/peak_rss.py says why).
+            code, peak_mib, _, err = peak_rss.run(
                 [sys.executable, "manage.py", "run_scheduler", "--once"],
                 cwd=ROOT,
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
+                text=True,
             )
-            _, status, usage = os.wait4(proc.pid, 0)
-            proc.returncode = os.waitstatus_to_exitcode(status)
             once_wall.append((time.perf_counter() - t) * 1000)
-            if proc.returncode != 0:
-                raise ob.BenchError(f"run_scheduler --once: {proc.stderr.read()[-2000:]}")
-            proc.stderr.close()
-            rss.append(usage.ru_maxrss / 1024)  # KiB -> MiB
+            if code != 0:
+                raise ob.BenchError(f"run_scheduler --once: {err[-2000:]}")
+            rss.append(peak_mib)
         # Every endpoint at its ceiling while the global one is far off: each due row is
         # held back, and a pass has to find that out (one hot endpoint with a backlog
         # is the common case of this: a bulk publish).
