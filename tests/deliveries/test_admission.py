@@ -206,3 +206,18 @@ def test_the_scan_by_window_by_endpoint_or_past_the_rows_gives_the_one_answer(
         got = state._scan_due(now, left_out_tenants, left_out_endpoints, limit)
         want = _reference_scan(now, left_out_tenants, left_out_endpoints, limit)
         assert got == want, (left_out_tenants, left_out_endpoints, limit)
+
+
+def test_the_global_ceiling_binds_when_no_tenant_or_endpoint_ceiling_is_near():
+    a = Tenant.objects.create(name="a")
+    b = Tenant.objects.create(name="b")
+    fill(a, 10, url="http://127.0.0.1:9/a")
+    fill(b, 10, url="http://127.0.0.1:9/b")
+    # No tenant or endpoint ceiling is near: only the global one can stop admission.
+    assert admit(total=4).admitted == 4
+    assert admit(total=4).admitted == 0
+    assert admit(total=7).admitted == 3  # 4 in flight, room for 3 more in all
+    in_flight = Delivery.objects.filter(state="enqueued")
+    assert in_flight.count() == 7
+    Delivery.objects.filter(id=in_flight.first().id).update(state="succeeded")
+    assert admit(total=7).admitted == 1

@@ -16,7 +16,7 @@ from django.utils import timezone
 from django_q.models import Schedule
 
 from deliveries import services
-from deliveries.models import Attempt, Delivery, Event, LoopRun, Outbox
+from deliveries.models import Attempt, Delivery, Endpoint, Event, LoopRun, Outbox
 from deliveries.retention import prune
 from deliveries.tasks import install_schedules
 from ingest import handlers
@@ -81,7 +81,8 @@ def test_prune_removes_terminal_history_past_the_window_and_nothing_else(
     assert totals["events"] == 3
     assert set(Event.objects.values_list("id", flat=True)) == {waiting.id, keyed.id}
     assert not Event.objects.filter(id__in=[e.id for e in done]).exists()
-    assert endpoint.id  # the endpoint itself is configuration, never pruned
+    # The endpoint itself is configuration, never pruned.
+    assert Endpoint.objects.filter(id=endpoint.id).exists()
 
     settings.IDEMPOTENCY_KEY_RETENTION = 10 * 86400
     assert prune()["events"] == 1

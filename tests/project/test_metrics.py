@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from deliveries import services, state
 from deliveries.loops import relay_tick, scheduler_tick
 from deliveries.metrics import EndpointLabels
-from deliveries.models import Delivery, Outbox
+from deliveries.models import Delivery, LoopRun, Outbox
 from ingest import handlers
 from ingest.schemes import get_scheme
 from ingest.services import source_create
@@ -78,7 +78,12 @@ def test_deliveries_by_state_dead_letters_relay_lag_and_queue_depth(tenant, make
     assert value(s, "webhooks_outbox_unpublished") == 0
     assert value(s, "webhooks_outbox_relay_lag_seconds") == 0
     assert value(s, "webhooks_queue_depth", queue="webhooks", visibility="visible") == 2
-    assert value(s, "webhooks_loop_heartbeat_age_seconds", kind="scheduler") == 0  # no LoopRun
+    # No LoopRun: no heartbeat series (absent, not an age of 0) ...
+    assert ("webhooks_loop_heartbeat_age_seconds", (("kind", "scheduler"),)) not in s
+    # ... and a scheduler's heartbeat 30 s old reads as 30 s.
+    beat = timezone.now() - timedelta(seconds=30)
+    LoopRun.objects.create(kind="scheduler", host="h", pid=1, started_at=beat, heartbeat_at=beat)
+    assert 30 <= value(scrape(), "webhooks_loop_heartbeat_age_seconds", kind="scheduler") < 60
     assert value(s, "webhooks_metrics_provider_up", provider="deliveries") == 1
     assert value(s, "webhooks_metrics_provider_up", provider="inbound") == 1
 
@@ -247,7 +252,8 @@ def test_a_failing_or_slow_provider_is_reported_and_does_not_break_the_scrape(se
         assert time.monotonic() - started < 1.5
     finally:
         del metrics.PROVIDERS["slow"]
-    assert value(s, "webhooks_metrics_provider_up", provider="slow") == 0
+    # Present and 0: the provider ran and was cut off, not left out.
+    assert s[("webhooks_metrics_provider_up", (("provider", "slow"),))] == 0
     assert value(s, "webhooks_metrics_provider_up", provider="deliveries") == 1
 
 

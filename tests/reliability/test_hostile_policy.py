@@ -130,6 +130,11 @@ def test_a_non_decreasing_schedule_gives_non_decreasing_bands_and_increasing_ret
     rng = random.Random(seed)
     retry_after = parse_retry_after(header, now=NOW)
     bands = [(b * (1 - jitter), b * (1 + jitter)) for b in schedule]
+    # The policy's own waits (no Retry-After) fall in their bands, so the bands' order
+    # is the waits' order.
+    for n, (low, high) in enumerate(bands, start=1):
+        wait = policy.next_delay(n, retry_after=None, rng=rng)
+        assert low - 1e-6 <= wait <= high + 1e-6, (n, wait, low, high)
     assert all(a[0] <= b[0] and a[1] <= b[1] for a, b in itertools.pairwise(bands))
 
     at, times = 0.0, []
