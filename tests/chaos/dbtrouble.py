@@ -33,6 +33,27 @@ PER_PHASE = 20  # outbound events and inbound events published after each troubl
 PHASE_DEADLINE = 90.0
 
 
+SOAK_CONNECTIONS_SQL = (
+    "SELECT count(*) FROM pg_stat_activity"
+    " WHERE backend_type = 'client backend' AND application_name LIKE 'soak-%'"
+)
+
+
+def children(pid: int) -> set[int]:
+    """The pids whose parent is ``pid`` (Linux /proc)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.add(int(entry.name))
+    return found
+
+
 def run(json_path: str | None, only: str = "") -> int:
     cluster = PrivateCluster().start()
     fleet = web = receiver = None
@@ -137,13 +158,24 @@ def run(json_path: str | None, only: str = "") -> int:
             phases.append(
                 (f"terminate {role}", lambda r=role: cluster.terminate_backends(f"soak-{r}"))
             )
+
+        def restart(mode: str) -> int:
+            """Restart the server; the effect is the service's connections it dropped."""
+            connected = int(cluster.psql(SOAK_CONNECTIONS_SQL).strip() or 0)
+            cluster.restart(mode)
+            return connected
+
         phases += [
             ("terminate all", cluster.terminate_backends),
-            ("restart fast", lambda: cluster.restart("fast")),
-            ("restart immediate", lambda: cluster.restart("immediate")),
+            ("restart fast", lambda: restart("fast")),
+            ("restart immediate", lambda: restart("immediate")),
         ]
         if only:
             phases = [p for p in phases if p[0] == "baseline" or only in p[0]]
+        # gunicorn's workers, which its master would replace if one died.
+        deadline = time.monotonic() + 60
+        while not (web_workers := children(web.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
         report = []
         for name, trouble in phases:
             connection.close()
@@ -165,6 +197,7 @@ def run(json_path: str | None, only: str = "") -> int:
         alive = {role: p.popen.poll() is None for role, p in fleet.procs.items()}
         alive["web"] = web.poll() is None
         same_pids = {role: p.popen.pid for role, p in fleet.procs.items()} | {"web": web.pid}
+        same_web_workers = children(web.pid)
         fleet.reap(restart=False)
         codes = fleet.stop()
         web.send_signal(signal.SIGTERM)
@@ -180,7 +213,12 @@ def run(json_path: str | None, only: str = "") -> int:
         result = {
             "phases": report,
             "alive": alive,
-            "never_restarted": same_pids == pids and fleet.starts == len(fleet.killable),
+            # The same processes, gunicorn's workers included (a worker that died would
+            # have been replaced by its master, with a new pid).
+            "never_restarted": same_pids == pids
+            and bool(web_workers)
+            and same_web_workers == web_workers,
+            "web_workers": sorted(web_workers),
             "unexpected_exits": fleet.unexpected,
             "stop_codes": codes,
             "deliveries": deliveries,

@@ -58,6 +58,8 @@ class Copy:
 class Evidence:
     copies: dict[str, list[Copy]] = field(default_factory=lambda: defaultdict(list))
     bad_signatures: int = 0
+    # Requests whose signature verified, counted where the verifier said so.
+    verified: int = 0
     unsigned: int = 0
     actions: Counter = field(default_factory=Counter)
 
@@ -102,6 +104,7 @@ class ChaosReceiver:
             return Evidence(
                 copies={k: list(v) for k, v in self.evidence.copies.items()},
                 bad_signatures=self.evidence.bad_signatures,
+                verified=self.evidence.verified,
                 unsigned=self.evidence.unsigned,
                 actions=Counter(self.evidence.actions),
             )
@@ -120,6 +123,8 @@ class ChaosReceiver:
             with self.lock:
                 self.evidence.bad_signatures += 1
             return web.Response(status=400, text="bad signature")
+        with self.lock:
+            self.evidence.verified += 1
         mode, rates, gone_after = self.paths.get(path, ("chaos", Rates(), 0))
         with self.lock:
             self._seen_by_path[path] += 1

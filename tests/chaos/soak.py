@@ -161,11 +161,16 @@ class Fleet:
         self.starts += 1
 
     def kill(self, role: str) -> None:
+        """SIGKILL ``role``; one that already died by itself (since the last reap) is
+        accounted for as reap does, not killed, since the caller starts it again."""
         proc = self.procs[role]
-        if proc.popen.poll() is None:
-            proc.popen.send_signal(signal.SIGKILL)
-            proc.popen.wait(10)
-            self.kills[proc.kind] += 1
+        rc = proc.popen.poll()
+        if rc is not None:
+            self._account(role, proc, rc)
+            return
+        proc.popen.send_signal(signal.SIGKILL)
+        proc.popen.wait(10)
+        self.kills[proc.kind] += 1
 
     def reap(self, restart: bool = True) -> None:
         """Restart what died by itself: a crash point reached is expected; any other exit
@@ -174,13 +179,16 @@ class Fleet:
             rc = proc.popen.poll()
             if rc is None:
                 continue
-            if rc == CRASH_EXIT_CODE and proc.fault:
-                self.fault_deaths[proc.fault] += 1
-            else:
-                tail = proc.log.read_text(errors="replace")[-1500:] if proc.log else ""
-                self.unexpected.append(f"{role} exited {rc}: {tail}")
+            self._account(role, proc, rc)
             if restart:
                 self.start(role)
+
+    def _account(self, role: str, proc: Proc, rc: int) -> None:
+        if rc == CRASH_EXIT_CODE and proc.fault:
+            self.fault_deaths[proc.fault] += 1
+        else:
+            tail = proc.log.read_text(errors="replace")[-1500:] if proc.log else ""
+            self.unexpected.append(f"{role} exited {rc}: {tail}")
 
     def stop(self, timeout: float = 60) -> dict[str, int]:
         """SIGTERM everything (the graceful path: finish the work under way, exit 0).
@@ -474,7 +482,13 @@ def outbound_ledger(cfg: Config, tenant_id, receiver, paths: dict) -> dict:
     if in_flight:
         problems.append(f"{in_flight} deliveries not terminal after the drain: {dict(states)}")
 
-    balanced = len(deliveries) == delivered + dead_by_policy + cut_off + in_flight
+    # Counted from both ends: every committed event has one delivery (each event type
+    # has one endpoint), or none because its endpoint was disabled first.
+    balanced = len(deliveries) + no_subscriber == len(events)
+    if not balanced:
+        problems.append(
+            f"{len(events)} events, {len(deliveries)} deliveries, {no_subscriber} without one"
+        )
     attempts = Attempt.objects.filter(delivery__tenant_id=tenant_id).count()
     return {
         "events": len(events),
@@ -489,7 +503,7 @@ def outbound_ledger(cfg: Config, tenant_id, receiver, paths: dict) -> dict:
         "unexpected": unexpected,
         "copies": sum(len(c) for c in evidence.copies.values()),
         "duplicates": duplicates,
-        "signatures_verified": sum(len(c) for c in evidence.copies.values()),
+        "signatures_verified": evidence.verified,
         "bad_signatures": evidence.bad_signatures,
         "receiver_actions": dict(evidence.actions),
         "attempts": attempts,

@@ -236,8 +236,14 @@ def test_overlapping_runs_of_one_source_read_each_record_once():
 
 @pytest.mark.django_db(transaction=True)
 def test_polled_records_go_through_the_handlers_under_the_entity_lock():
-    seen = []
-    registration = handlers.Registration("crm", "record.updated", seen.append)
+    seen, held = [], []
+
+    def handler(event):
+        seen.append(event)
+        # The handler runs inside the processing transaction, which holds the lock.
+        held.append(EntityLock.objects.filter(key=f"crm:{event.entity_id}").exists())
+
+    registration = handlers.Registration("crm", "record.updated", handler)
     handlers.REGISTRY.append(registration)
     provider = FakeProvider(StaticRecords(5)).start()
     try:
@@ -253,6 +259,8 @@ def test_polled_records_go_through_the_handlers_under_the_entity_lock():
     assert first.payload["name"] == "record 0"
     assert first.occurred_at == datetime(2024, 1, 1, tzinfo=UTC)
     assert set(InboundEvent.objects.values_list("state", flat=True)) == {"processed"}
+    assert held == [True] * 5
+    assert not EntityLock.objects.filter(key__startswith="crm:").exists()  # given back
 
 
 @pytest.mark.django_db
