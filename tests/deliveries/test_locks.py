@@ -25,13 +25,14 @@ def test_one_holder_at_a_time_until_release_or_expiry():
 
 def test_concurrent_acquirers_get_one_winner():
     barrier = threading.Barrier(8)
-    wins = []
+    wins, answered = [], []
 
     def contend(i):
         try:
             barrier.wait()
             if entity_lock_acquire(key="order:9", owner=f"w{i}", ttl=30):
                 wins.append(i)
+            answered.append(i)  # a thread that raised never gets here
         finally:
             connection.close()
 
@@ -40,4 +41,5 @@ def test_concurrent_acquirers_get_one_winner():
         t.start()
     for t in threads:
         t.join()
+    assert sorted(answered) == list(range(8))
     assert len(wins) == 1
