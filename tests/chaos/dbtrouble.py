@@ -28,6 +28,7 @@ from pathlib import Path
 
 from tests.chaos.pgcluster import PrivateCluster, free_port
 from tests.chaos.soak import ROOT, Fleet, SendStats, post_signed, setup_django
+from tests.procs import children
 
 PER_PHASE = 20  # outbound events and inbound events published after each trouble
 PHASE_DEADLINE = 90.0
@@ -37,21 +38,6 @@ SOAK_CONNECTIONS_SQL = (
     "SELECT count(*) FROM pg_stat_activity"
     " WHERE backend_type = 'client backend' AND application_name LIKE 'soak-%'"
 )
-
-
-def children(pid: int) -> set[int]:
-    """The pids whose parent is ``pid`` (Linux /proc)."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            found.add(int(entry.name))
-    return found
 
 
 def run(json_path: str | None, only: str = "") -> int:
