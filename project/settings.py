@@ -89,8 +89,8 @@ if env.str("DATABASE_URL", default=""):
 else:
     DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": SQLITE_PATH}}
 if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
-    # The hot path's statements (deliveries.sql.bound_cursor: claim, lease, record, the
-    # inbound insert) are prepared on a connection after this many runs, so PostgreSQL
+    # The hot path's statements (deliveries.sql.bound_cursor: claim, lease, record,
+    # publish, the inbound insert) are prepared on a connection after this many runs, so PostgreSQL
     # stops parsing and planning them every time. The ORM's client-side-binding cursors
     # never prepare. 0 turns it off (a pooler in transaction mode, like PgBouncer before
     # 1.21, cannot keep prepared statements).
