@@ -123,6 +123,8 @@ def test_a_failing_provider_is_retried_then_the_run_fails_resumably(crm, provide
         (["--since", "2024-02-01", "--until", "2024-01-01"], "must be before"),
         (["--since", "2024-01-01", "--rate", "fast"], "--rate"),
         (["--resume", "not-a-run"], "no backfill run"),
+        (["--resume", "not-a-run", "--rate", "10/s"], "run's own window, rate"),
+        (["--resume", "not-a-run", "--page-size", "10"], "run's own window, rate"),
         ([], "--since is required"),
     ],
 )

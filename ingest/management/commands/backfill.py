@@ -76,6 +76,9 @@ class ProgressBar:
         return "[" + "#" * done + "-" * (cls.WIDTH - done) + "]"
 
 
+DEFAULT_RATE = "2/s"
+
+
 class Command(BaseCommand):
     help = (
         "Read a window of a poll source's history into inbound events: rate limited, "
@@ -86,7 +89,9 @@ class Command(BaseCommand):
         parser.add_argument("source", help="The poll source's slug.")
         parser.add_argument("--since", help="Start of the window (ISO 8601 time or date).")
         parser.add_argument("--until", help="End of the window, exclusive (default: now).")
-        parser.add_argument("--rate", default="2/s", help="Requests at most, e.g. 5/s, 120/m.")
+        parser.add_argument(
+            "--rate", help=f"Requests at most, e.g. 5/s, 120/m (default {DEFAULT_RATE})."
+        )
         parser.add_argument("--page-size", type=int, help="Records per request.")
         parser.add_argument("--dry-run", action="store_true", help="Read and count; store nothing.")
         parser.add_argument("--resume", metavar="RUN", help="Resume a run from its checkpoint.")
@@ -97,9 +102,10 @@ class Command(BaseCommand):
         self.bar = ProgressBar(getattr(self.stderr, "_out", sys.stderr))
         try:
             if resume:
-                if since or until or dry_run:
+                if since or until or dry_run or rate or page_size:
                     raise CommandError(
-                        "--resume takes the run's own window; drop --since/--until/--dry-run"
+                        "--resume goes on with the run's own window, rate and page size; "
+                        "drop --since/--until/--rate/--page-size/--dry-run"
                     )
                 run = self._run_for(resume, source)
                 start = run.checkpoint_at or run.since
@@ -108,7 +114,7 @@ class Command(BaseCommand):
                 if not since:
                     raise CommandError("--since is required (or --resume RUN)")
                 window = (parse_time(since), parse_time(until) if until else None)
-                per_second = parse_rate(rate)
+                per_second = parse_rate(rate or DEFAULT_RATE)
                 if dry_run:
                     return self._dry_run(source, window, per_second, page_size, stop)
                 run = backfill_run_create(
