@@ -46,7 +46,9 @@ def main(argv: list[str]) -> int:
     return 128 - code if code < 0 else code
 
 
-def run(command: list[str], **popen_kwargs) -> tuple[int, float, str | bytes, str | bytes]:
+def run(
+    command: list[str], **popen_kwargs
+) -> tuple[int, float, str | bytes | None, str | bytes | None]:
     """Run ``command`` to its end through this module: (its exit code, its peak RSS in
     MiB, and what it wrote to any pipe asked for in ``popen_kwargs``, else None)."""
     fd, name = tempfile.mkstemp(prefix="peak-rss-", suffix=".json")

@@ -135,23 +135,22 @@ def _take(broker, batch_size: int, lease_seconds: float) -> Taken:
     before the commit leaves the messages as they were. With another broker the batch
     is received first and the deliveries leased after."""
     close_old_connections()
-    if not isinstance(broker, transport.DatabaseBroker):
+    if isinstance(broker, transport.DatabaseBroker):
+        with transaction.atomic():
+            received = broker.lock(batch_size)
+            messages, others = _sort(received)
+            claimed = _claim(messages, lease_seconds) if messages else None
+            spent = {t for t, _ in messages}
+            spent.update(t for kind in others if kind in jobs.KINDS for t, _ in others[kind])
+            broker.settle(spent=list(spent), hidden=[t for t, _ in received if t not in spent])
+        # Spent: nothing to acknowledge.
+        messages = [(None, m) for _, m in messages]
+        for kind in others.keys() & jobs.KINDS.keys():
+            others[kind] = [(None, m) for _, m in others[kind]]
+    else:
         received = transport.receive(broker, batch_size)
         messages, others = _sort(received)
         claimed = _claim(messages, lease_seconds) if messages else None
-        ENDPOINT_LABELS.refresh_if_due()
-        return Taken(len(received), messages, others, claimed)
-    with transaction.atomic():
-        received = broker.lock(batch_size)
-        messages, others = _sort(received)
-        claimed = _claim(messages, lease_seconds) if messages else None
-        spent = {t for t, _ in messages}
-        spent.update(t for kind in others if kind in jobs.KINDS for t, _ in others[kind])
-        broker.settle(spent=list(spent), hidden=[t for t, _ in received if t not in spent])
-    # Spent: nothing to acknowledge.
-    messages = [(None, m) for _, m in messages]
-    for kind in others.keys() & jobs.KINDS.keys():
-        others[kind] = [(None, m) for _, m in others[kind]]
     ENDPOINT_LABELS.refresh_if_due()
     return Taken(len(received), messages, others, claimed)
 

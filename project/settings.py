@@ -90,10 +90,10 @@ else:
     DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": SQLITE_PATH}}
 if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     # The hot path's statements (deliveries.sql.bound_cursor: claim, lease, record,
-    # publish, the inbound insert) are prepared on a connection after this many runs, so PostgreSQL
-    # stops parsing and planning them every time. The ORM's client-side-binding cursors
-    # never prepare. 0 turns it off (a pooler in transaction mode, like PgBouncer before
-    # 1.21, cannot keep prepared statements).
+    # publish, the inbound insert) are prepared on a connection after this many runs, so
+    # PostgreSQL stops parsing and planning them every time. The ORM's client-side-binding
+    # cursors never prepare. 0 turns it off (a pooler in transaction mode, like PgBouncer
+    # before 1.21, cannot keep prepared statements).
     _prepare = env.int("DATABASE_PREPARE_THRESHOLD", default=5)
     DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
         "prepare_threshold", _prepare if _prepare > 0 else None

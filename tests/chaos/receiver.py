@@ -123,10 +123,9 @@ class ChaosReceiver:
             with self.lock:
                 self.evidence.bad_signatures += 1
             return web.Response(status=400, text="bad signature")
-        with self.lock:
-            self.evidence.verified += 1
         mode, rates, gone_after = self.paths.get(path, ("chaos", Rates(), 0))
         with self.lock:
+            self.evidence.verified += 1
             self._seen_by_path[path] += 1
             if mode == "gone":
                 action = "gone" if self._seen_by_path[path] > gone_after else "ok"

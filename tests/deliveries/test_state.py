@@ -6,8 +6,8 @@ import pytest
 from django.utils import timezone
 
 from deliveries import services, state
-from deliveries.loops import relay_tick, scheduler_tick
-from deliveries.models import Delivery, Endpoint, LoopRun, Outbox
+from deliveries.loops import relay_tick, scheduler_tick, start_run
+from deliveries.models import Delivery, Endpoint, Outbox
 from deliveries.policy import RetryPolicy
 from deliveries.selectors import delivery_explain
 from tests.conftest import drain, run_workers
@@ -152,13 +152,6 @@ def test_cancel_stops_unsent_deliveries_only(tenant, make_endpoint, receiver):
     assert a.state == "leased"
 
 
-def alive(kind: str) -> None:
-    """A running loop of ``kind``, as far as the explanations can tell (a fresh
-    heartbeat, not finished)."""
-    now = timezone.now()
-    LoopRun.objects.create(kind=kind, host="h", pid=1, started_at=now, heartbeat_at=now)
-
-
 def test_every_transition_is_explained(tenant, make_endpoint, receiver, settings):
     settings.DELIVERY_RETRY_SCHEDULE = [3600]
     receiver.behaviours["/down"] = lambda n: (503, {}, b"")
@@ -167,17 +160,17 @@ def test_every_transition_is_explained(tenant, make_endpoint, receiver, settings
     d = Delivery.objects.get(event=event)
 
     assert delivery_explain(d).kind == "stalled"  # due, but no scheduler is running
-    alive("scheduler")
+    start_run("scheduler")  # a running loop: fresh heartbeat
     assert delivery_explain(d).kind == "due"
     scheduler_tick()
     d.refresh_from_db()
     assert delivery_explain(d).kind == "stalled"  # in the outbox, but no relay
-    alive("relay")
+    start_run("relay")
     assert delivery_explain(d).kind == "outbox"
     relay_tick()
     d.refresh_from_db()
     assert delivery_explain(d).kind == "stalled"  # in transport, but no worker
-    alive("workers")
+    start_run("workers")
     assert delivery_explain(d).kind == "in_transport"
     run_workers()
     d.refresh_from_db()
