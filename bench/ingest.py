@@ -70,9 +70,12 @@ if sys.path and Path(sys.path[0] or ".").resolve() == HERE:
 
 from bench.outbound import (  # noqa: E402
     INBOUND_TABLES,
+    child_pids,
     database_url,
     ensure_database,
+    machine_cpu,
     parse_env,
+    proc_cpu_seconds,
     with_db,
 )
 
@@ -151,38 +154,6 @@ def stop(proc: subprocess.Popen, *, grace: float = 10.0) -> None:
 def stop_all() -> None:
     for proc in list(_children):
         stop(proc, grace=5.0)
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    """user + system CPU seconds of a process (all its threads); 0 if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def child_pids(parent: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == parent:
-                    out.append(int(entry))
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
-
-
-def machine_jiffies() -> tuple[int, int]:
-    """(busy, total) jiffies over all cores since boot."""
-    with open("/proc/stat") as f:
-        parts = [int(x) for x in f.readline().split()[1:]]
-    idle = parts[3] + parts[4]
-    return sum(parts) - idle, sum(parts)
 
 
 def free_port() -> int:
@@ -370,11 +341,11 @@ class Bench:
         time.sleep(self.args.settle)
         server_pids = server.pids()
         cpu_server, cpu_pg, cpu_gen = server.cpu(), self.db.backend_cpu(), self._gen_cpu()
-        busy0, total0 = machine_jiffies()
+        busy0, total0 = machine_cpu()
         wall0 = time.monotonic()
         out = self.gen.call(cmd, timeout=seconds + self.args.request_timeout + 60)
         wall = time.monotonic() - wall0
-        busy1, total1 = machine_jiffies()
+        busy1, total1 = machine_cpu()
         cpu_server = server.cpu() - cpu_server
         cpu_pg = self.db.backend_cpu() - cpu_pg
         cpu_gen = self._gen_cpu() - cpu_gen

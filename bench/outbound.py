@@ -159,6 +159,21 @@ def proc_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def child_pids(parent: int) -> set[int]:
+    """The pids of the live processes whose parent is ``parent``."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == parent:
+                    found.add(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
 def machine_cpu() -> tuple[float, float]:
     """(busy, total) jiffies over all cores since boot."""
     with open("/proc/stat") as f:

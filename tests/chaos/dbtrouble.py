@@ -26,9 +26,9 @@ import sys
 import time
 from pathlib import Path
 
+from bench.outbound import child_pids
 from tests.chaos.pgcluster import PrivateCluster, free_port
 from tests.chaos.soak import ROOT, Fleet, SendStats, post_signed, setup_django
-from tests.procs import children
 
 PER_PHASE = 20  # outbound events and inbound events published after each trouble
 PHASE_DEADLINE = 90.0
@@ -160,7 +160,7 @@ def run(json_path: str | None, only: str = "") -> int:
             phases = [p for p in phases if p[0] == "baseline" or only in p[0]]
         # gunicorn's workers, which its master would replace if one died.
         deadline = time.monotonic() + 60
-        while not (web_workers := children(web.pid)) and time.monotonic() < deadline:
+        while not (web_workers := child_pids(web.pid)) and time.monotonic() < deadline:
             time.sleep(0.2)
         report = []
         for name, trouble in phases:
@@ -183,7 +183,7 @@ def run(json_path: str | None, only: str = "") -> int:
         alive = {role: p.popen.poll() is None for role, p in fleet.procs.items()}
         alive["web"] = web.poll() is None
         same_pids = {role: p.popen.pid for role, p in fleet.procs.items()} | {"web": web.pid}
-        same_web_workers = children(web.pid)
+        same_web_workers = child_pids(web.pid)
         fleet.reap(restart=False)
         codes = fleet.stop()
         web.send_signal(signal.SIGTERM)

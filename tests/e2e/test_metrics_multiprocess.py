@@ -16,12 +16,12 @@ from django.utils import timezone
 from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.outbound import child_pids
 from deliveries import services, state
 from deliveries.loops import scheduler_tick
 from deliveries.models import Delivery
 from ingest.services import source_create
 from tests.conftest import manage, subprocess_env
-from tests.procs import children
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -121,7 +121,7 @@ def test_counters_of_every_process_reach_one_scrape(tmp_path, tenant, make_endpo
 
         # Refused requests, 8 at a time, until each of the two web workers has counted
         # some in its own file (which worker takes a request is the kernel's choice).
-        while len(workers := children(server.pid)) < 2:  # the second may still be booting
+        while len(workers := child_pids(server.pid)) < 2:  # the second may still be booting
             assert time.monotonic() < deadline, f"gunicorn has workers {workers}"
             time.sleep(0.1)
         assert len(workers) == 2, workers
