@@ -12,6 +12,7 @@ from django.db import models
 from django.db.models import Q
 
 from .egress import ErrorKind
+from .ids import uuid7
 from .timezones import validate_time_zone
 
 ERROR_KIND_CHOICES = [("", "None")] + [
@@ -129,7 +130,7 @@ class Event(models.Model):
     """One published event. The body bytes are fixed at publish time and sent unchanged
     on every attempt; a payload revision is a new event."""
 
-    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    id = models.UUIDField(primary_key=True, default=uuid7, editable=False)
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="events")
     # Indexed for the admin's event-type filter (events are never updated, so the index
     # costs one entry per event).
@@ -187,7 +188,7 @@ class Delivery(models.Model):
     """One logical delivery of an event to an endpoint. Its id is the ``webhook-id`` and
     ``Idempotency-Key`` on every copy sent."""
 
-    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    id = models.UUIDField(primary_key=True, default=uuid7, editable=False)
     # No single-column indexes on these: the composite indexes below lead with them, and
     # every index is rewritten on each state change (three per delivery).
     event = models.ForeignKey(

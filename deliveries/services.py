@@ -18,6 +18,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from . import state, tracing
+from .ids import UUID7_SQL, uuid7
 from .models import ApiKey, AuditEntry, Delivery, Endpoint, EndpointSecret, Event, Tenant
 from .signing import generate_secret
 from .sql import bound_cursor
@@ -156,18 +157,18 @@ WITH event AS (
 INSERT INTO deliveries_delivery (id, event_id, endpoint_id, tenant_id, state, priority,
     next_attempt_at, attempt_count, policy_attempts, dispatch_count, lease_expiries,
     last_outcome, last_error, created_at, updated_at)
-SELECT gen_random_uuid(), event.id, endpoint.id, endpoint.tenant_id, 'pending',
+SELECT {uuid7}, event.id, endpoint.id, endpoint.tenant_id, 'pending',
     %(priority)s, %(due)s, 0, 0, 0, 0, '', '', %(now)s, %(now)s
 FROM event, deliveries_endpoint AS endpoint
 WHERE endpoint.tenant_id = %(tenant_id)s AND endpoint.enabled
     AND CASE WHEN %(only)b::uuid[] IS NULL
         THEN endpoint.event_types = '[]'::jsonb OR endpoint.event_types ? %(event_type)s
         ELSE endpoint.id = ANY(%(only)b::uuid[]) END
-"""
+""".replace("{uuid7}", UUID7_SQL)
 
 
 def _publish_postgres(fields: dict, *, now: datetime, due: datetime, only) -> Event:
-    event = Event(id=uuid.uuid4(), created_at=now, **fields)
+    event = Event(id=uuid7(), created_at=now, **fields)
     with bound_cursor() as cursor:
         cursor.execute(
             _PUBLISH_SQL, {**fields, "id": event.id, "now": now, "due": due, "only": only}

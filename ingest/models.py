@@ -6,6 +6,8 @@ import uuid
 from django.db import models
 from django.db.models import Q
 
+from deliveries.ids import uuid7
+
 from .schemes import SCHEMES
 
 
@@ -55,7 +57,7 @@ class InboundState(models.TextChoices):
 
 
 class InboundEvent(models.Model):
-    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    id = models.UUIDField(primary_key=True, default=uuid7, editable=False)
     # No index of its own: inbound_source_event and inbound_source_received both lead
     # with it, and each index costs a write on every received event.
     source = models.ForeignKey(

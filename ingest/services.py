@@ -35,6 +35,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from deliveries.broker import Message
+from deliveries.ids import UUID7_SQL, uuid7
 from deliveries.locks import entity_lock_acquire, entity_lock_release, entity_locks_acquire
 from deliveries.models import Outbox
 from deliveries.policy import RetryPolicy
@@ -281,7 +282,7 @@ def _insert(
     has it already; a copy counts as a duplicate. Returns the stored id and whether it
     was a duplicate."""
     fields = {
-        "id": uuid.uuid4(),
+        "id": uuid7(),
         "source_id": source.id,
         "event_id": event_id,
         "event_type": event_type[:200],
@@ -421,7 +422,7 @@ def inbound_store_many(*, source: Source, events: Sequence[NewEvent]) -> tuple[i
 # CTE does not see the rows its siblings insert).
 _INSERT_MANY_SQL = """
 WITH rows AS (
-    SELECT gen_random_uuid() AS id, r.* FROM unnest(%(event_ids)b::text[], %(types)b::text[],
+    SELECT {uuid7} AS id, r.* FROM unnest(%(event_ids)b::text[], %(types)b::text[],
         %(entities)b::text[], %(occurred)b::timestamptz[], %(bodies)b::bytea[])
         AS r(event_id, event_type, entity_id, occurred_at, body)
 ), new AS (
@@ -444,7 +445,7 @@ WITH rows AS (
     RETURNING 1
 )
 SELECT (SELECT count(*) FROM new), (SELECT count(*) FROM dup)
-"""
+""".replace("{uuid7}", UUID7_SQL)
 
 
 def _write_outbox(ids: Sequence[uuid.UUID], now: datetime) -> None:
