@@ -1,10 +1,9 @@
-from rest_framework.routers import DefaultRouter
+from rest_framework.routers import SimpleRouter
 
 from .views import DeliveryViewSet, EndpointViewSet, EventViewSet
 
-router = DefaultRouter(trailing_slash="/?")
+# Mounted at /api/v1/ by project/urls.py, with the other apps' routes, under one API root.
+router = SimpleRouter(trailing_slash="/?")
 router.register("endpoints", EndpointViewSet, basename="endpoint")
 router.register("events", EventViewSet, basename="event")
 router.register("deliveries", DeliveryViewSet, basename="delivery")
-
-urlpatterns = router.urls

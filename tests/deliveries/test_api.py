@@ -263,6 +263,24 @@ def backfill_run_of(tenant):
     )
 
 
+def test_the_api_root_lists_every_collection_of_every_app(alice):
+    client, _, _ = alice
+    r = client.get("/api/v1/")
+    assert r.status_code == 200
+    assert {name: url.split("/api/v1/")[1] for name, url in r.json().items()} == {
+        "endpoints": "endpoints/",
+        "events": "events/",
+        "deliveries": "deliveries/",
+        "backfill-runs": "backfill-runs/",
+    }
+    # The root names routes only, as the public schema does; the collections need a key.
+    anonymous = APIClient()
+    assert anonymous.get("/api/v1/").json() == r.json()
+    for url in r.json().values():
+        assert client.get(url).status_code == 200, url
+        assert anonymous.get(url).status_code == 401, url
+
+
 def test_the_route_list_covers_every_object_route():
     assert object_routes() == [
         "/api/v1/backfill-runs/{id}/",
