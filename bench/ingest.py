@@ -69,6 +69,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == HERE:
     sys.path[0] = str(ROOT)
 
 from bench.outbound import (  # noqa: E402
+    CLK_TCK,
     INBOUND_TABLES,
     child_pids,
     database_url,
@@ -80,7 +81,6 @@ from bench.outbound import (  # noqa: E402
 )
 
 RESULTS = HERE / "results"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 SLUG = "stripe"
 SECRET = "whsec_bench"
 APPLICATION_NAME = "bench-gunicorn"
