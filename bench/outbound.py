@@ -542,6 +542,10 @@ def run_service(
     layout: Layout = Layout(),
     hook: str = "/hook",
 ) -> dict:
+    from django.db import transaction
+
+    from deliveries import wakeup
+
     if fresh_publish:
         truncate()
         pub = publish(n, receiver.url(hook), layout)
@@ -596,7 +600,11 @@ def run_service(
         # entry, not a count of N rows (the bench's own queries compete for the same
         # two cores; a GROUP BY over N rows every POLL_SECONDS cost about 4% of the
         # run's CPU). The state counts of the timeline are read every TIMELINE_EVERY.
-        sql("UPDATE deliveries_delivery SET next_attempt_at = now()")
+        # The release stands for a burst just published, so it wakes the scheduler as
+        # publish_event does: a notification delivered with the rows' commit.
+        with transaction.atomic():
+            sql("UPDATE deliveries_delivery SET next_attempt_at = now()")
+            wakeup.notify(wakeup.DUE)
         released_at = time.time()
         # The release is the bench's doing, not the pipeline's: its backend's CPU counts
         # from here.

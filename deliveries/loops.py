@@ -350,8 +350,8 @@ def run_loop(
     BLOCKED_WAIT while due work waits under a ceiling; when idle,
     a wait that doubles from SOON_WAIT up to ``interval``, so an idle loop costs little
     and a busy one answers within milliseconds. With ``listen`` channels (PostgreSQL,
-    deliveries.wakeup) a notification ends any wait early, and an idle loop waits the
-    whole ``interval`` at once."""
+    deliveries.wakeup) a notification ends the blocked and the idle waits early, and an
+    idle loop waits the whole ``interval`` at once."""
     stop = stop or StopFlag()
     listener = wakeup.Listener(*listen) if listen and not once else None
 
@@ -398,7 +398,10 @@ def run_loop(
         if tick.busy or tick.soon:
             idle_wait = SOON_WAIT
             if not tick.busy:
-                wait(SOON_WAIT)
+                # Pacing while work flows, not idleness: notifications (one per publish,
+                # say) wait here, so that what arrives meanwhile makes one page instead
+                # of a pass each.
+                stop.event.wait(SOON_WAIT)
         elif tick.blocked:
             idle_wait = SOON_WAIT
             wait(BLOCKED_WAIT)

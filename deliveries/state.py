@@ -738,6 +738,8 @@ def release(leases: Iterable[Leased], *, now: datetime) -> int:
                 updated_at=now,
                 **_DONE,
             )
+        if released:
+            wakeup.notify(wakeup.DUE)
     return released
 
 
@@ -1079,7 +1081,7 @@ def replay(*, delivery_ids: Iterable[uuid.UUID], now: datetime) -> int:
     """Return terminal or waiting deliveries to ``pending``, due now, with a fresh retry
     budget and the same identity (the same ``webhook-id``). In-flight rows are left
     alone: they are already on their way."""
-    return Delivery.objects.filter(
+    replayed = Delivery.objects.filter(
         Q(state__in=TERMINAL) | Q(state=PENDING), id__in=list(delivery_ids)
     ).update(
         state=PENDING,
@@ -1088,6 +1090,9 @@ def replay(*, delivery_ids: Iterable[uuid.UUID], now: datetime) -> int:
         finished_at=None,
         updated_at=now,
     )
+    if replayed:
+        wakeup.notify(wakeup.DUE)
+    return replayed
 
 
 def cancel(*, delivery_ids: Iterable[uuid.UUID], now: datetime) -> int:

@@ -7,6 +7,10 @@ the work, so the notification arrives when the work is visible:
 * ``webhooks_queue``: the database broker enqueued messages; wakes the workers.
 * ``webhooks_freed``: the workers recorded attempts, freeing slots under the ceilings;
   wakes the scheduler.
+* ``webhooks_due``: ``publish_event``, a replay or a released lease made deliveries due
+  now; wakes the scheduler, so that new work does not wait for its next look (up to
+  ``SCHEDULER_INTERVAL``). Work that falls due later (a backoff, ``deliver_at``) is
+  found by that look.
 
 A notification only shortens a wait: every loop still looks for work at its own interval,
 so a lost or coalesced notification (PostgreSQL folds identical ones within a transaction,
@@ -25,6 +29,7 @@ logger = logging.getLogger("deliveries")
 OUTBOX = "webhooks_outbox"
 QUEUE = "webhooks_queue"
 FREED = "webhooks_freed"
+DUE = "webhooks_due"
 
 
 def available() -> bool:

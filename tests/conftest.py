@@ -1,6 +1,8 @@
 import asyncio
+import threading
 
 import pytest
+from django.db import connection
 from django.utils import timezone
 
 from deliveries import services
@@ -113,3 +115,21 @@ def manage(*args: str, env: dict[str, str], timeout: float = 60):
         timeout=timeout,
         cwd=root,
     )
+
+
+def in_thread(fn, errors: list[BaseException]) -> threading.Thread:
+    """Start ``fn`` in a thread of its own; what it raises lands in ``errors``. The
+    thread's database connection is closed at its end: an open one would block the flush
+    of the test database at teardown."""
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread

@@ -3,7 +3,6 @@ real PostgreSQL database: every delivery is attempted exactly once (no lease exp
 this test, so a second copy would be a double delivery within a lease)."""
 
 import asyncio
-import threading
 import time
 from collections import Counter
 
@@ -15,7 +14,7 @@ from deliveries import worker as worker_module
 from deliveries.loops import StopFlag, relay_tick, run_loop, scheduler_tick
 from deliveries.models import Attempt, Delivery
 from deliveries.worker import Worker
-from tests.conftest import queue_for_slow_endpoint
+from tests.conftest import in_thread, queue_for_slow_endpoint
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -39,24 +38,11 @@ def test_concurrent_schedulers_relays_and_workers_deliver_each_delivery_once(
     loops: list = []
     errors: list[BaseException] = []
 
-    def in_thread(fn):
-        def run():
-            try:
-                fn()
-            except BaseException as exc:
-                errors.append(exc)
-            finally:
-                connection.close()
-
-        t = threading.Thread(target=run)
-        t.start()
-        return t
-
     threads = [
-        in_thread(lambda: run_loop("scheduler", scheduler_tick, interval=0.01, stop=stop)),
-        in_thread(lambda: run_loop("scheduler", scheduler_tick, interval=0.01, stop=stop)),
-        in_thread(lambda: run_loop("relay", relay_tick, interval=0.01, stop=stop)),
-        in_thread(lambda: run_loop("relay", relay_tick, interval=0.01, stop=stop)),
+        in_thread(lambda: run_loop("scheduler", scheduler_tick, interval=0.01, stop=stop), errors),
+        in_thread(lambda: run_loop("scheduler", scheduler_tick, interval=0.01, stop=stop), errors),
+        in_thread(lambda: run_loop("relay", relay_tick, interval=0.01, stop=stop), errors),
+        in_thread(lambda: run_loop("relay", relay_tick, interval=0.01, stop=stop), errors),
     ]
     for _ in range(3):
 
@@ -69,7 +55,7 @@ def test_concurrent_schedulers_relays_and_workers_deliver_each_delivery_once(
 
             asyncio.run(main())
 
-        threads.append(in_thread(work))
+        threads.append(in_thread(work, errors))
 
     # A guard against a hang, not a speed test (speed lives in bench/): on a machine whose
     # Python ran ten to twenty times slower than usual, with a second suite beside it,

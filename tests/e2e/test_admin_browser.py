@@ -11,19 +11,17 @@ browser download is never used. A screenshot of each step is saved under
 """
 
 import re
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from django.contrib.auth import get_user_model
-from django.db import connection
 from playwright.sync_api import Page, sync_playwright
 
 from deliveries import services
 from deliveries.models import Attempt, AuditEntry, Delivery, EventType
-from tests.conftest import drain
+from tests.conftest import drain, in_thread
 from tests.receiver import always, fail_first
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -67,19 +65,8 @@ def chromium_page() -> Iterator[Page]:
 def drain_in_a_thread() -> None:
     """``drain()`` while the browser is open: the ORM and ``asyncio.run`` both refuse to
     run beside the Playwright sync API's event loop in this thread."""
-    errors: list[BaseException] = []
-
-    def run():
-        try:
-            drain()
-        except BaseException as exc:  # re-raised in the test's thread
-            errors.append(exc)
-        finally:
-            # An open connection would block the flush of the test database at teardown.
-            connection.close()
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    errors: list[BaseException] = []  # re-raised in the test's thread
+    thread = in_thread(drain, errors)
     thread.join(30)
     assert not thread.is_alive(), "the pipeline did not drain within 30 s"
     if errors:

@@ -27,6 +27,6 @@ class Command(BaseCommand):
             until_idle=until_idle,
             interval=settings.SCHEDULER_INTERVAL,
             stop=stop,
-            listen=(wakeup.FREED,),
+            listen=(wakeup.FREED, wakeup.DUE),
         )
         self.stdout.write(" ".join(f"{k}={v}" for k, v in sorted(totals.items())) or "idle")
