@@ -147,6 +147,10 @@ def admit_due(*, now: datetime, page_size: int, limits: Limits) -> AdmissionResu
             full_tenants |= {r[1] for r in rows if slots.tenant_full(r[1])}
             full_endpoints |= {r[2] for r in rows if slots.endpoint_full(r[2])}
         _save_buckets(slots.buckets)
+        if result.admitted:
+            # Once a pass, not once a chunk: PostgreSQL folds them anyway, and each was a
+            # round trip (8 a pass of 2,000 rows, 3 ms of it).
+            wakeup.notify(wakeup.OUTBOX)
     return result
 
 
@@ -411,10 +415,7 @@ def _enqueue(ids: list[str], now: datetime) -> int:
     if connection.vendor == "postgresql":
         with bound_cursor() as cursor:
             cursor.execute(_ENQUEUE_SQL, {"ids": ids, "now": now})
-            admitted = cursor.rowcount
-        if admitted:
-            wakeup.notify(wakeup.OUTBOX)
-        return admitted
+            return cursor.rowcount
     Delivery.objects.filter(id__in=ids, state=PENDING, next_attempt_at__lte=now).update(
         state=ENQUEUED, enqueued_at=now, dispatch_count=F("dispatch_count") + 1, updated_at=now
     )

@@ -172,3 +172,25 @@ def test_while_work_flows_notifications_wait_for_the_pacing_instead_of_a_pass_ea
     # At most one pass per SOON_WAIT (and one for the wait under way at the start).
     assert len(during) <= (sent_until - sent_from) / SOON_WAIT + 2
     assert len(during) >= 2, "the loop kept passing while the notifications came"
+
+
+def test_an_admission_pass_wakes_the_relay_only_when_it_wrote_outbox_rows(
+    tenant, make_endpoint, receiver
+):
+    make_endpoint(receiver.url("/ok"))
+    relay = wakeup.Listener(wakeup.OUTBOX)
+    relay.wait(0.01, threading.Event())  # LISTEN now
+    try:
+        scheduler_tick()
+        assert not woke(relay, 0.2), "nothing was due"
+        for i in range(3):
+            services.publish_event(tenant=tenant, event_type="t", payload={"i": i})
+        scheduler_tick(page_size=2)  # two of the three, then the third
+        assert woke(relay)
+        scheduler_tick(page_size=2)
+        assert woke(relay)
+        assert Delivery.objects.filter(state="enqueued").count() == 3
+        scheduler_tick()
+        assert not woke(relay, 0.2)
+    finally:
+        relay.close()
