@@ -402,6 +402,8 @@ def run_loop(
                 # say) wait here, so that what arrives meanwhile makes one page instead
                 # of a pass each.
                 stop.event.wait(SOON_WAIT)
+            if listener is not None:
+                listener.drain()  # read, never left to pile up while work flows
         elif tick.blocked:
             idle_wait = SOON_WAIT
             wait(BLOCKED_WAIT)

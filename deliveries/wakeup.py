@@ -82,6 +82,24 @@ class Listener:
             stop.wait(timeout)
             return False
 
+    def drain(self) -> int:
+        """Take the notifications already here without waiting for more; how many. A
+        loop that stays busy, or paces itself without listening, calls this after each
+        pass: unread notifications (one per publish, on ``webhooks_due``) would fill the
+        connection's socket, stall the server process that sends them, and keep
+        PostgreSQL from truncating its notification queue."""
+        if self._conn is None or self._conn.closed:
+            return 0  # not listening yet: nothing was sent to us
+        try:
+            return sum(1 for _ in self._conn.notifies(timeout=0))
+        except Exception as exc:  # a listener problem must never stop the loop
+            logger.warning(
+                "listen connection failed; polling",
+                extra={"action": "wakeup.listen_failed", "error": str(exc)},
+            )
+            self.close()
+            return 0
+
     def close(self) -> None:
         if self._conn is not None:
             with contextlib.suppress(Exception):

@@ -194,3 +194,47 @@ def test_an_admission_pass_wakes_the_relay_only_when_it_wrote_outbox_rows(
         assert not woke(relay, 0.2)
     finally:
         relay.close()
+
+
+def test_drain_takes_what_is_here_without_waiting(due_listener):
+    assert due_listener.drain() == 0
+    for _ in range(5):
+        wakeup.notify(wakeup.DUE)  # autocommit: five transactions, five notifications
+    time.sleep(0.2)
+    assert due_listener.drain() == 5
+    assert not woke(due_listener, 0.2)
+
+
+def test_a_loop_that_stays_busy_still_reads_its_notifications(monkeypatch):
+    """Busy and pacing passes do not wait on the listener, so they must read it: left
+    unread, a notification per publish would fill the connection and stall PostgreSQL's
+    notification queue behind it."""
+    stop = StopFlag()
+    errors: list[BaseException] = []
+    drained: list[int] = []
+    real_drain = wakeup.Listener.drain
+    monkeypatch.setattr(
+        wakeup.Listener, "drain", lambda self: drained.append(real_drain(self)) or drained[-1]
+    )
+    passes = 0
+
+    def unit() -> Tick:
+        nonlocal passes
+        passes += 1
+        if passes == 1:
+            return Tick(idle=True)  # one idle wait: the listener connects and LISTENs
+        if passes > 40:
+            stop.event.set()
+        wakeup.notify(wakeup.DUE)  # a publish elsewhere, while this loop works
+        time.sleep(0.005)
+        return Tick(busy=passes % 2 == 0, soon=True)
+
+    thread = in_thread(
+        lambda: run_loop("scheduler", unit, interval=0.05, stop=stop, listen=(wakeup.DUE,)),
+        errors,
+    )
+    thread.join(30)
+    assert not thread.is_alive()
+    assert not errors
+    assert passes > 40
+    assert sum(drained) >= 30, drained
