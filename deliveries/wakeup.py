@@ -14,7 +14,10 @@ the work, so the notification arrives when the work is visible:
 
 A notification only shortens a wait: every loop still looks for work at its own interval,
 so a lost or coalesced notification (PostgreSQL folds identical ones within a transaction,
-and a listener that is reconnecting misses some) costs latency, never work. On SQLite
+and a listener that is reconnecting misses some) costs latency, never work. Only the idle
+and the blocked waits end early; a loop that is busy, or paces itself while work flows,
+reads what came after each pass instead (``Listener.drain``), so notifications never
+pile up unread. On SQLite
 and on other brokers there are no notifications and the loops poll.
 """
 
