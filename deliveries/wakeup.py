@@ -72,18 +72,13 @@ class Listener:
         try:
             conn = self._connection()
             got = any(True for _ in conn.notifies(timeout=timeout, stop_after=1))
-            if got:  # take whatever else is already here: one wake-up for a burst
-                for _ in conn.notifies(timeout=0):
-                    pass
-            return got
-        except Exception as exc:  # a listener problem must never stop the loop
-            logger.warning(
-                "listen connection failed; polling",
-                extra={"action": "wakeup.listen_failed", "error": str(exc)},
-            )
-            self.close()
+        except Exception as exc:
+            self._lost(exc)
             stop.wait(timeout)
             return False
+        if got:  # take whatever else is already here: one wake-up for a burst
+            self.drain()
+        return got
 
     def drain(self) -> int:
         """Take the notifications already here without waiting for more; how many. A
@@ -95,13 +90,18 @@ class Listener:
             return 0  # not listening yet: nothing was sent to us
         try:
             return sum(1 for _ in self._conn.notifies(timeout=0))
-        except Exception as exc:  # a listener problem must never stop the loop
-            logger.warning(
-                "listen connection failed; polling",
-                extra={"action": "wakeup.listen_failed", "error": str(exc)},
-            )
-            self.close()
+        except Exception as exc:
+            self._lost(exc)
             return 0
+
+    def _lost(self, exc: Exception) -> None:
+        """A listener problem must never stop the loop: log it, drop the connection (the
+        next wait opens another) and let the loop poll meanwhile."""
+        logger.warning(
+            "listen connection failed; polling",
+            extra={"action": "wakeup.listen_failed", "error": str(exc)},
+        )
+        self.close()
 
     def close(self) -> None:
         if self._conn is not None:
