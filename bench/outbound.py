@@ -26,7 +26,7 @@ the product's default settings unless given: ``--workers``,
 ``--lanes``, ``--batch-size``, ``--worker-concurrency``, and ``--env NAME=VALUE`` for any
 setting read from the environment (``SCHEDULER_PAGE_SIZE``, ``RELAY_INTERVAL``, ...).
 ``--py-spy DIR`` records a py-spy profile of every pipeline process during the last
-service run (``pip install py-spy``).
+service run (py-spy is pinned in requirements/bench.txt).
 """
 
 import argparse
@@ -504,6 +504,28 @@ def snapshot_restore(url: str) -> None:
     analyze()
 
 
+def take_out_published() -> None:
+    """Empty the delivery table while the pipeline's processes start (a service runs
+    continuously, so process start-up is not delivery time); the snapshot keeps the rows
+    and ``release_published`` writes them back. The table's statistics stay from the
+    last ANALYZE."""
+    sql("TRUNCATE deliveries_delivery CASCADE")
+
+
+def release_published() -> None:
+    """Write the published deliveries back, due, in one transaction that wakes the
+    scheduler, as a burst of publishes does: each row one version, as ``publish_event``
+    leaves it. (Parking the rows and making them due with two UPDATEs instead left three
+    versions of each, and three entries in every index, which no publish leaves.)"""
+    from django.db import transaction
+
+    from deliveries import wakeup
+
+    with transaction.atomic():
+        sql("INSERT INTO deliveries_delivery SELECT * FROM bench_snapshot_deliveries_delivery")
+        wakeup.notify(wakeup.DUE)
+
+
 def snapshot_shape() -> tuple[int, Layout | None, int]:
     """Deliveries in the saved snapshot, the layout they were published to and their
     body size (0, None, 0: none saved)."""
@@ -542,10 +564,6 @@ def run_service(
     layout: Layout = Layout(),
     hook: str = "/hook",
 ) -> dict:
-    from django.db import transaction
-
-    from deliveries import wakeup
-
     if fresh_publish:
         truncate()
         pub = publish(n, receiver.url(hook), layout)
@@ -554,10 +572,7 @@ def run_service(
         snapshot_restore(receiver.url(hook))
         pub = {"seconds": None, "per_second": None}
     receiver.reset()
-    # Take the published deliveries out while the processes start (a service runs
-    # continuously, so process start-up is not delivery time); the release writes them
-    # back. The table's statistics stay from the ANALYZE above.
-    sql("TRUNCATE deliveries_delivery CASCADE")
+    take_out_published()
     sql("DELETE FROM deliveries_looprun")
     procs: list[tuple[str, subprocess.Popen]] = []
     spies: list[subprocess.Popen] = []
@@ -601,11 +616,7 @@ def run_service(
         # entry, not a count of N rows (the bench's own queries compete for the same
         # two cores; a GROUP BY over N rows every POLL_SECONDS cost about 4% of the
         # run's CPU). The state counts of the timeline are read every TIMELINE_EVERY.
-        # The release stands for a burst just published, so it wakes the scheduler as
-        # publish_event does: a notification delivered with the rows' commit.
-        with transaction.atomic():
-            sql("INSERT INTO deliveries_delivery SELECT * FROM bench_snapshot_deliveries_delivery")
-            wakeup.notify(wakeup.DUE)
+        release_published()
         released_at = time.time()
         # The release is the bench's doing, not the pipeline's: its backend's CPU counts
         # from here.
