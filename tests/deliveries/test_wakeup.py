@@ -3,6 +3,8 @@ commit that makes it visible, and nothing else does."""
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import pytest
@@ -24,12 +26,20 @@ from tests.conftest import in_thread
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
+@contextmanager
+def listening(channel: str) -> Iterator[wakeup.Listener]:
+    listener = wakeup.Listener(channel)
+    listener.wait(0.01, threading.Event())  # LISTEN now, before the test's commits
+    try:
+        yield listener
+    finally:
+        listener.close()
+
+
 @pytest.fixture
 def due_listener():
-    listener = wakeup.Listener(wakeup.DUE)
-    listener.wait(0.01, threading.Event())  # LISTEN now, before the test's commits
-    yield listener
-    listener.close()
+    with listening(wakeup.DUE) as listener:
+        yield listener
 
 
 def woke(listener: wakeup.Listener, seconds: float = 0.5) -> bool:
@@ -178,9 +188,7 @@ def test_an_admission_pass_wakes_the_relay_only_when_it_wrote_outbox_rows(
     tenant, make_endpoint, receiver
 ):
     make_endpoint(receiver.url("/ok"))
-    relay = wakeup.Listener(wakeup.OUTBOX)
-    relay.wait(0.01, threading.Event())  # LISTEN now
-    try:
+    with listening(wakeup.OUTBOX) as relay:
         scheduler_tick()
         assert not woke(relay, 0.2), "nothing was due"
         for i in range(3):
@@ -192,8 +200,6 @@ def test_an_admission_pass_wakes_the_relay_only_when_it_wrote_outbox_rows(
         assert Delivery.objects.filter(state="enqueued").count() == 3
         scheduler_tick()
         assert not woke(relay, 0.2)
-    finally:
-        relay.close()
 
 
 def test_drain_takes_what_is_here_without_waiting(due_listener):

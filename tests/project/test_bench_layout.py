@@ -39,14 +39,10 @@ def test_a_layout_needs_a_tenant_and_an_endpoint():
 
 def _delivery_writes() -> tuple[int, int]:
     """Rows inserted into and updated in the delivery table by this transaction so far."""
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT n_tup_ins, n_tup_upd FROM pg_stat_xact_user_tables"
-            " WHERE relname = 'deliveries_delivery'"
-        )
-        return cursor.fetchone()
+    return outbound.sql(
+        "SELECT n_tup_ins, n_tup_upd FROM pg_stat_xact_user_tables"
+        " WHERE relname = 'deliveries_delivery'"
+    )[0]
 
 
 def test_the_drain_starts_from_the_published_rows_each_written_once():
