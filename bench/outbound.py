@@ -355,20 +355,62 @@ async def _bare(url: str, body: bytes, n: int, concurrency: int) -> dict:
     return {"seconds": seconds, "statuses": statuses}
 
 
-def run_bare(receiver: Receiver, n: int, concurrency: int) -> dict:
+# The signed loop's one endpoint secret (a bench value, never a real one).
+SIGNED_LOOP_SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+
+
+async def _signed(url: str, body: bytes, n: int, concurrency: int) -> dict:
+    """The bare loop's N POSTs as the issue asks each delivery sent: the worker's headers
+    (``deliveries.signing.delivery_headers``: a fresh timestamp and Standard Webhooks
+    signature per request, a distinct ``webhook-id``) through ``deliveries.egress`` with
+    its checks, capped reading and pool, on 127.0.0.0/8 only. No database, no lease, no
+    recording: what the request itself costs the client."""
+    from ipaddress import ip_network
+
+    from deliveries.egress import EgressPolicy, EgressSession
+    from deliveries.signing import delivery_headers
+
+    statuses: dict[int, int] = {}
+    # The ids exist before the clock starts, as a leased delivery's id does.
+    ids = [f"01000000-0000-7000-8000-{i:012d}" for i in range(n)]
+    secrets = [SIGNED_LOOP_SECRET]
+    policy = EgressPolicy(allow_networks=(ip_network("127.0.0.0/8"),))
+
+    async def one_sender(egress: EgressSession) -> None:
+        while ids:
+            msg_id = ids.pop()
+            headers = delivery_headers(
+                {}, secrets, msg_id=msg_id, timestamp=int(time.time()), body=body
+            )
+            response = await egress.post(url, body=body, headers=headers, timeout=30.0)
+            statuses[response.status] = statuses.get(response.status, 0) + 1
+
+    async with EgressSession(policy, pool_size=concurrency) as egress:
+        started = time.perf_counter()
+        await asyncio.gather(*(one_sender(egress) for _ in range(concurrency)))
+        seconds = time.perf_counter() - started
+    return {"seconds": seconds, "statuses": statuses}
+
+
+def run_bare(receiver: Receiver, n: int, concurrency: int, *, signed: bool = False) -> dict:
+    """The bare loop (``signed``: the signed, checked loop of ``_signed``) against the
+    receiver, with its CPU and the receiver's."""
     from deliveries.services import encode_payload
 
     body = encode_payload(payload(0))
     receiver.reset()
     cpu_self, cpu_recv = proc_cpu_seconds(os.getpid()), receiver.cpu()
     busy0, total0 = machine_cpu()
-    out = asyncio.run(_bare(receiver.url("/bare"), body, n, concurrency))
+    loop = _signed if signed else _bare
+    out = asyncio.run(loop(receiver.url("/signed" if signed else "/bare"), body, n, concurrency))
     busy1, total1 = machine_cpu()
     client = proc_cpu_seconds(os.getpid()) - cpu_self
     receiver_cpu = receiver.cpu() - cpu_recv
     counts = receiver.counts()
-    if out["statuses"] != {200: n} or counts["requests"] != n:
-        raise BenchError(f"bare loop: statuses {out['statuses']}, receiver counted {counts}")
+    distinct = counts["distinct_webhook_ids"] == (n if signed else 0)
+    if out["statuses"] != {200: n} or counts["requests"] != n or not distinct:
+        label = "signed loop" if signed else "bare loop"
+        raise BenchError(f"{label}: statuses {out['statuses']}, receiver counted {counts}")
     return {
         "seconds": round(out["seconds"], 3),
         "per_second": round(n / out["seconds"], 1),

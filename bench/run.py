@@ -57,6 +57,7 @@ PEERS = {
 }
 BASELINE_SKIP_LOCKED = "bare SKIP LOCKED"
 BASELINE_FLOOR = "statements floor"
+BASELINE_SIGNED = "bare loop, signed and checked"
 # Requests in flight in the bare aiohttp loop, and per worker process in the service.
 BARE_CONCURRENCY = 256
 # The pipeline as run against the peers: one worker process per core, like the peers, and
@@ -159,29 +160,65 @@ def service_pipeline(env: dict) -> "ob.Pipeline":
     )
 
 
-def statements_ceiling(bare: dict, drains: list[dict], n: int, cores: int) -> dict | None:
-    """The most the design's statements leave of the bare loop, from CPU alone.
+def _request_us(loop: dict, n: int) -> float | None:
+    """CPU per request of a client loop run: its client and the receiver."""
+    cpu = loop.get("cpu_seconds") or {}
+    return (cpu["client"] + cpu["receiver"]) * 1e6 / n if cpu else None
 
-    Any implementation pays per delivery at least what the bare loop pays per request (its
-    client and the receiver) plus what PostgreSQL spends per delivery running the design's
-    statements: the least of ``drains`` (the service's run and the floor's, same repeat).
-    With every core busy, that caps the rate at cores / (the two together). The estimate
-    flatters the ceiling: it charges nothing for the scheduler's and relay's Python, for
-    the workers' Python beyond a bare client, or for the kernel."""
-    bare_cpu = bare.get("cpu_seconds") or {}
+
+def _postgres_us(drains: list[dict], n: int) -> float | None:
+    """PostgreSQL's CPU per delivery running the design's statements: the least of
+    ``drains`` (the service's run and the floor's, same repeat)."""
     postgres = [
         d["cpu_seconds"]["postgres_all"]
         for d in drains
         if (d.get("cpu_seconds") or {}).get("postgres_all")
     ]
-    if not (bare_cpu and postgres and bare.get("per_second")):
+    return min(postgres) * 1e6 / n if postgres else None
+
+
+def statements_ceiling(bare: dict, drains: list[dict], n: int, cores: int) -> dict | None:
+    """The most the design's statements leave of the bare loop, from CPU alone.
+
+    Any implementation pays per delivery at least what the bare loop pays per request (its
+    client and the receiver) plus what PostgreSQL spends per delivery running the design's
+    statements. With every core busy, that caps the rate at cores / (the two together).
+    The estimate flatters the ceiling: it charges nothing for signing or the egress
+    checks, for the scheduler's and relay's Python, for the workers' Python beyond a bare
+    client, or for the kernel (``design_bound`` charges the first two)."""
+    request_us, postgres_us = _request_us(bare, n), _postgres_us(drains, n)
+    if request_us is None or postgres_us is None or not bare.get("per_second"):
         return None
-    request_us = (bare_cpu["client"] + bare_cpu["receiver"]) * 1e6 / n
-    postgres_us = min(postgres) * 1e6 / n
     per_second = cores * 1e6 / (request_us + postgres_us)
     return {
         "bare_request_cpu_us": round(request_us, 1),
         "postgres_cpu_us": round(postgres_us, 1),
+        "per_second": round(per_second, 1),
+        "over_bare_loop": round(per_second / bare["per_second"], 3),
+    }
+
+
+def design_bound(
+    bare: dict, signed: dict, service: dict, drains: list[dict], n: int, cores: int
+) -> dict | None:
+    """The most the design leaves of the bare loop on this machine, from CPU alone: the
+    statements ceiling with the request sent as the issue asks (``signed``: the worker's
+    headers and signature, through the egress module) and the design's scheduler and relay
+    processes (their CPU in the service's run) charged too. Still nothing for the
+    workers' own Python (claims, recording, leases, ceilings) or for the kernel, and every
+    core busy all the time: no implementation of the design in Python goes faster."""
+    request_us, postgres_us = _request_us(signed, n), _postgres_us(drains, n)
+    cpu = service.get("cpu_seconds") or {}
+    if request_us is None or postgres_us is None or not bare.get("per_second"):
+        return None
+    if "scheduler" not in cpu or "relay" not in cpu:
+        return None
+    processes_us = (cpu["scheduler"] + cpu["relay"]) * 1e6 / n
+    per_second = cores * 1e6 / (request_us + postgres_us + processes_us)
+    return {
+        "signed_request_cpu_us": round(request_us, 1),
+        "postgres_cpu_us": round(postgres_us, 1),
+        "scheduler_relay_cpu_us": round(processes_us, 1),
         "per_second": round(per_second, 1),
         "over_bare_loop": round(per_second / bare["per_second"], 3),
     }
@@ -221,6 +258,10 @@ def scenario_throughput(ctx: dict) -> dict:
         bare["wall_per_second"] = bare["per_second"]
         bare["per_second"] = receiver_rate(receiver.counts(), n)
         add("bare aiohttp loop", bare)
+        signed = ob.run_bare(receiver, n, BARE_CONCURRENCY, signed=True)
+        signed["wall_per_second"] = signed["per_second"]
+        signed["per_second"] = receiver_rate(receiver.counts(), n)
+        add(BASELINE_SIGNED, signed)
         add(BASELINE_SKIP_LOCKED, run_peer(BASELINE_SKIP_LOCKED, "skiplocked.py", [], n, ctx))
         add("service", drain(pipeline, fresh_publish=(i == 0)))
         add(BASELINE_FLOOR, drain(ob.FloorPipeline(workers=pipeline.workers), fresh_publish=False))
@@ -243,15 +284,18 @@ def scenario_throughput(ctx: dict) -> dict:
     fastest = max(peers, key=lambda p: med[p] or 0) if peers else None
     repeats = zip(
         systems["bare aiohttp loop"],
+        systems[BASELINE_SIGNED],
         systems["service"],
         systems.get(BASELINE_FLOOR, []),
         strict=False,
     )
-    ceilings = [
-        c
-        for bare, service, floor in repeats
-        if (c := statements_ceiling(bare, [service, floor], n, os.cpu_count() or 1))
-    ]
+    cores = os.cpu_count() or 1
+    ceilings, bounds = [], []
+    for bare, signed, service, floor in repeats:
+        if c := statements_ceiling(bare, [service, floor], n, cores):
+            ceilings.append(c)
+        if b := design_bound(bare, signed, service, [service, floor], n, cores):
+            bounds.append(b)
     # The fastest peer of each repeat, then the service's ratio to it in that repeat.
     per_repeat_fastest = []
     for i, s in enumerate(systems["service"]):
@@ -262,7 +306,9 @@ def scenario_throughput(ctx: dict) -> dict:
         "service_over_bare_loop": ratio_in_run("bare aiohttp loop"),
         "service_over_skip_locked": ratio_in_run(BASELINE_SKIP_LOCKED),
         "service_over_statements_floor": ratio_in_run(BASELINE_FLOOR),
+        "service_over_signed_loop": ratio_in_run(BASELINE_SIGNED),
         "statements_floor_over_bare_loop": ratio_in_run("bare aiohttp loop", of=BASELINE_FLOOR),
+        "signed_loop_over_bare_loop": ratio_in_run("bare aiohttp loop", of=BASELINE_SIGNED),
         "service_over_fastest_peer": round(median(per_repeat_fastest), 3)
         if per_repeat_fastest
         else None,
@@ -283,6 +329,10 @@ def scenario_throughput(ctx: dict) -> dict:
         "statements_ceiling": {
             "runs": ceilings,
             **{k: median(c[k] for c in ceilings) for k in (ceilings[0] if ceilings else {})},
+        },
+        "design_bound": {
+            "runs": bounds,
+            **{k: median(b[k] for b in bounds) for k in (bounds[0] if bounds else {})},
         },
         "targets": {"service_over_bare_loop": 0.5, "service_over_fastest_peer": 4.0},
         "meets": {
@@ -793,6 +843,7 @@ def markdown(result: dict) -> str:
                     "bare aiohttp loop": "service_over_bare_loop",
                     BASELINE_SKIP_LOCKED: "service_over_skip_locked",
                     BASELINE_FLOOR: "service_over_statements_floor",
+                    BASELINE_SIGNED: "service_over_signed_loop",
                 }.get(name, f"service_over_{name}")
                 ratio = fmt(tp["ratios"].get(key), 2)
             lines.append(
@@ -828,6 +879,19 @@ def markdown(result: dict) -> str:
                 "µs); "
                 f"{result['cpu_count']} cores busy all the time deliver no more than that "
                 "(nothing charged for any other Python or the kernel).",
+                "",
+            ]
+        bound = tp.get("design_bound") or {}
+        if bound.get("over_bare_loop") is not None:
+            lines += [
+                f"CPU bound of the design: **{fmt(bound['over_bare_loop'], 2)}** of the bare "
+                f"loop ({fmt(bound['per_second'])}/s). The ceiling above with the request "
+                "sent as the issue asks, signed and through the egress module (the signed "
+                f"loop's CPU per request, {fmt(bound['signed_request_cpu_us'])} µs with the "
+                "receiver's), and the design's scheduler and relay processes "
+                f"({fmt(bound['scheduler_relay_cpu_us'])} µs per delivery in the service's "
+                f"run) charged too: {result['cpu_count']} cores busy all the time, nothing "
+                "for the workers' own Python or the kernel. The service cannot pass it.",
                 "",
             ]
     lat = result["scenarios"].get("latency")
@@ -947,7 +1011,10 @@ def chart(result: dict, path: Path) -> None:
             ceiling = (scen[key].get("statements_ceiling") or {}).get("per_second")
             if ceiling:
                 ax.axvline(ceiling, color="black", linestyle=":", label="CPU ceiling of the SQL")
-            if bare or ceiling:
+            bound = (scen[key].get("design_bound") or {}).get("per_second")
+            if bound:
+                ax.axvline(bound, color="black", linestyle="-.", label="CPU bound of the design")
+            if bare or ceiling or bound:
                 ax.legend(loc="lower right", fontsize="small")
             ax.set_xlabel("deliveries/s (median)")
             ax.set_title(f"Outbound throughput, N = {scen[key]['events']:,}")
@@ -1023,6 +1090,7 @@ def versions(ctx: dict) -> dict:
     out["bare aiohttp loop"] = f"aiohttp {v('aiohttp')}, {BARE_CONCURRENCY} in flight"
     out[BASELINE_SKIP_LOCKED] = f"psycopg {v('psycopg')} + aiohttp"
     out[BASELINE_FLOOR] = "the service's SQL from bench/floor.py: no Django, no ceilings"
+    out[BASELINE_SIGNED] = "the bare loop with the worker's headers, through deliveries.egress"
     p = service_pipeline(SERVICE_ENV)
     out["service"] = (
         f"{p.workers} run_workers (--lanes {p.lanes} --batch-size {p.batch_size} "

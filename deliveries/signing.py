@@ -10,7 +10,7 @@ import functools
 import hashlib
 import hmac
 import secrets as _secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 SECRET_PREFIX = "whsec_"  # noqa: S105 - a format prefix, not a secret
 
@@ -52,6 +52,30 @@ def sign(secret: str, *, msg_id: str, timestamp: int, body: bytes) -> str:
 def signature_header(secrets: Iterable[str], *, msg_id: str, timestamp: int, body: bytes) -> str:
     """The ``webhook-signature`` value: one signature per active secret."""
     return " ".join(sign(s, msg_id=msg_id, timestamp=timestamp, body=body) for s in secrets)
+
+
+def delivery_headers(
+    custom: Mapping[str, str],
+    secrets: Iterable[str],
+    *,
+    msg_id: str,
+    timestamp: int,
+    body: bytes,
+) -> dict[str, str]:
+    """The headers of one delivery attempt: the endpoint's custom headers (already
+    stripped of the protocol's names, in any case: ``worker.PROTOCOL_HEADERS``), then the
+    protocol's. ``msg_id`` is both the ``webhook-id`` and the ``Idempotency-Key``: the
+    delivery id, the same on every copy."""
+    return {
+        **custom,
+        "content-type": "application/json",
+        "webhook-id": msg_id,
+        "webhook-timestamp": str(timestamp),
+        "webhook-signature": signature_header(
+            secrets, msg_id=msg_id, timestamp=timestamp, body=body
+        ),
+        "idempotency-key": msg_id,
+    }
 
 
 def verify(

@@ -70,7 +70,7 @@ from .metrics import ENDPOINT_LABELS
 from .models import Endpoint, endpoint_timeout
 from .policy import RetryPolicy, classify, parse_retry_after
 from .services import active_secrets
-from .signing import signature_header
+from .signing import delivery_headers
 
 logger = logging.getLogger("deliveries.worker")
 
@@ -557,16 +557,9 @@ class Worker:
     async def _post(self, item: state.Leased, target: Target) -> state.AttemptResult:
         msg_id = str(item.id)
         timestamp = int(time.time())
-        headers = {
-            **target.headers,
-            "content-type": "application/json",
-            "webhook-id": msg_id,
-            "webhook-timestamp": str(timestamp),
-            "webhook-signature": signature_header(
-                target.secrets, msg_id=msg_id, timestamp=timestamp, body=item.body
-            ),
-            "idempotency-key": msg_id,
-        }
+        headers = delivery_headers(
+            target.headers, target.secrets, msg_id=msg_id, timestamp=timestamp, body=item.body
+        )
         # The attempt log keeps what varies per attempt: the timestamp signed, and the
         # names of custom headers (their values may be credentials). The rest is fixed by
         # the protocol (webhook-id and Idempotency-Key are the delivery id).

@@ -97,3 +97,18 @@ def test_the_key_of_a_secret_is_decoded_once_and_the_cache_is_bounded():
     assert after.misses == before.misses + 1
     assert after.maxsize is not None
     assert signing.secret_key(secret) == base64.b64decode(secret.removeprefix("whsec_"))
+
+
+def test_delivery_headers_carry_custom_headers_and_a_verifiable_signature():
+    custom = {"authorization": "Bearer abc"}
+    ts = int(time.time())
+
+    headers = signing.delivery_headers(
+        custom, [VECTOR_SECRET], msg_id="msg_1", timestamp=ts, body=VECTOR_BODY
+    )
+
+    assert headers["authorization"] == "Bearer abc"
+    assert headers["webhook-id"] == headers["idempotency-key"] == "msg_1"
+    assert headers["webhook-timestamp"] == str(ts)
+    assert headers["content-type"] == "application/json"
+    assert Webhook(VECTOR_SECRET).verify(VECTOR_BODY, headers) == {"test": 2432232314}
