@@ -254,17 +254,9 @@ async def run_worker(lanes: int, batch: int, *, egress: bool, db_thread: bool) -
 
     async def send(item: tuple) -> None:
         delivery_id, endpoint_id, body = item[0], item[2], item[5]
-        msg_id = str(delivery_id)
-        stamp = int(time.time())
-        headers = {
-            "content-type": "application/json",
-            "webhook-id": msg_id,
-            "webhook-timestamp": str(stamp),
-            "webhook-signature": signing.signature_header(
-                secrets[endpoint_id], msg_id=msg_id, timestamp=stamp, body=body
-            ),
-            "idempotency-key": msg_id,
-        }
+        headers = signing.delivery_headers(
+            {}, secrets[endpoint_id], msg_id=str(delivery_id), timestamp=int(time.time()), body=body
+        )
         if egress:
             response = await client.post(urls[endpoint_id], body=body, headers=headers, timeout=10)
             status = response.status
