@@ -355,10 +355,6 @@ async def _bare(url: str, body: bytes, n: int, concurrency: int) -> dict:
     return {"seconds": seconds, "statuses": statuses}
 
 
-# The signed loop's one endpoint secret (a bench value, never a real one).
-SIGNED_LOOP_SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
-
-
 async def _signed(url: str, body: bytes, n: int, concurrency: int) -> dict:
     """The bare loop's N POSTs as the issue asks each delivery sent: the worker's headers
     (``deliveries.signing.delivery_headers``: a fresh timestamp and Standard Webhooks
@@ -367,13 +363,14 @@ async def _signed(url: str, body: bytes, n: int, concurrency: int) -> dict:
     recording: what the request itself costs the client."""
     from ipaddress import ip_network
 
+    from bench.peers.common import SECRET  # the peers' bench secret: one for every signer
     from deliveries.egress import EgressPolicy, EgressSession
     from deliveries.signing import delivery_headers
 
     statuses: dict[int, int] = {}
     # The ids exist before the clock starts, as a leased delivery's id does.
     ids = [f"01000000-0000-7000-8000-{i:012d}" for i in range(n)]
-    secrets = [SIGNED_LOOP_SECRET]
+    secrets = [SECRET]
     policy = EgressPolicy(allow_networks=(ip_network("127.0.0.0/8"),))
 
     async def one_sender(egress: EgressSession) -> None:
