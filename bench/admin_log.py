@@ -273,6 +273,7 @@ FROM (
 DATA_TABLES = (
     "deliveries_attempt",
     "deliveries_delivery",
+    "deliveries_deliverylisting",
     "deliveries_event",
     "deliveries_endpoint",
     "deliveries_tenant",
@@ -302,7 +303,12 @@ def dataset() -> dict | None:
 # would maintain ~15 B-trees row by row (five of them on random UUIDs) and queue a
 # deferred foreign-key check per row. Instead, as pg_restore does: rows first, then each
 # index built in one sorted pass and each foreign key validated with one join.
-BULK_TABLES = ("deliveries_event", "deliveries_delivery", "deliveries_attempt")
+BULK_TABLES = (
+    "deliveries_event",
+    "deliveries_delivery",
+    "deliveries_deliverylisting",
+    "deliveries_attempt",
+)
 
 
 def bulk_ddl() -> tuple[list[str], list[str]]:

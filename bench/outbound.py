@@ -79,6 +79,7 @@ DELIVERY_TABLES = (
     "deliveries_attempt",
     "deliveries_outbox",
     "deliveries_queuemessage",
+    "deliveries_deliverylisting",
     "deliveries_delivery",
     "deliveries_event",
     "deliveries_endpointthrottle",
@@ -548,14 +549,15 @@ def take_out_published() -> None:
     continuously, so process start-up is not delivery time); the snapshot keeps the rows
     and ``release_published`` writes them back. The table's statistics stay from the
     last ANALYZE."""
-    sql("TRUNCATE deliveries_delivery CASCADE")
+    sql("TRUNCATE deliveries_delivery, deliveries_deliverylisting CASCADE")
 
 
 def release_published() -> None:
     """Write the published deliveries back, due, in one transaction that wakes the
     scheduler, as a burst of publishes does: each row one version, as ``publish_event``
-    leaves it. (Parking the rows and making them due with two UPDATEs instead left three
-    versions of each, and three entries in every index, which no publish leaves.)"""
+    leaves it, and listed by the table's trigger. (Parking the rows and making them due with two
+    UPDATEs instead left three versions of each, and three entries in every index, which
+    no publish leaves.)"""
     from django.db import transaction
 
     from deliveries import wakeup

@@ -90,13 +90,19 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 class TenantFilter(admin.SimpleListFilter):
     title = "tenant"
     parameter_name = "tenant"
+    field = "tenant_id"
 
     def lookups(self, request, model_admin):
         return [(str(t.id), t.name) for t in Tenant.objects.order_by("name")[:200]]
 
     def queryset(self, request, queryset):
         value = _uuid(self.value())
-        return queryset.filter(tenant_id=value) if value else queryset
+        return queryset.filter(**{self.field: value}) if value else queryset
+
+
+class DeliveryTenantFilter(TenantFilter):
+    # The listing's (tenant, delivery) index: the delivery row has none on its tenant.
+    field = "listing__tenant_id"
 
 
 class EndpointFilter(admin.SimpleListFilter):
@@ -112,8 +118,10 @@ class EndpointFilter(admin.SimpleListFilter):
         return [(str(endpoint.id), endpoint.url)] if endpoint else []
 
     def queryset(self, request, queryset):
+        # The listing's (endpoint, delivery) index: the delivery row has none on its
+        # endpoint.
         value = _uuid(self.value())
-        return queryset.filter(endpoint_id=value) if value else queryset
+        return queryset.filter(listing__endpoint_id=value) if value else queryset
 
 
 class EventTypeFilter(admin.SimpleListFilter):
@@ -184,7 +192,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
     ]
     list_filter = [
         "state",
-        TenantFilter,
+        DeliveryTenantFilter,
         EndpointFilter,
         EventTypeFilter,
         "last_outcome",
@@ -196,7 +204,9 @@ class DeliveryAdmin(ReadOnlyAdmin):
     show_full_result_count = False
     paginator = CappedCountPaginator
     list_per_page = 50
-    ordering = ["-created_at"]
+    # The listing's creation time: its indexes give this order, in all and under the
+    # tenant and endpoint filters (models.DeliveryListing); the delivery row has none.
+    ordering = ["-listing__created_at", "-id"]
     inlines = [AttemptInline]
     actions = ["replay_selected", "cancel_selected"]
     readonly_fields = [
@@ -245,6 +255,12 @@ class DeliveryAdmin(ReadOnlyAdmin):
         ("What was sent", {"fields": ["headers_sent", "event_body"]}),
     ]
     change_form_template = "admin/deliveries/delivery/change_form.html"
+
+    def get_queryset(self, request):
+        # An inner join to the listing (every delivery has its row): through the outer
+        # join Django makes for a reverse one-to-one, PostgreSQL cannot read the
+        # deliveries in the listing indexes' order, and sorts the table instead.
+        return super().get_queryset(request).filter(listing__isnull=False)
 
     def get_search_results(self, request, queryset, search_term):
         """Exact matches on the delivery id, the event id or the entity id. Each is its

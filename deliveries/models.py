@@ -189,16 +189,25 @@ class Delivery(models.Model):
     ``Idempotency-Key`` on every copy sent."""
 
     id = models.UUIDField(primary_key=True, default=uuid7, editable=False)
-    # No single-column indexes on these: the composite indexes below lead with them, and
-    # every index is rewritten on each state change (three per delivery).
+    # Every index on this row gets a new entry at each of its three state changes (no
+    # update that changes the state can be HOT). So the row keeps only the indexes the
+    # state machine reads: the event's is the (event, endpoint) uniqueness below. The
+    # endpoint and tenant columns are for the state machine's reads; their foreign keys,
+    # and the indexes that the lists and a deletion need, are on the insert-only
+    # DeliveryListing, through which deleting an endpoint or a tenant deletes its
+    # deliveries (cascade_to_deliveries).
     event = models.ForeignKey(
         Event, on_delete=models.CASCADE, related_name="deliveries", db_index=False
     )
     endpoint = models.ForeignKey(
-        Endpoint, on_delete=models.CASCADE, related_name="deliveries", db_index=False
+        Endpoint,
+        on_delete=models.DO_NOTHING,
+        related_name="+",
+        db_index=False,
+        db_constraint=False,
     )
     tenant = models.ForeignKey(
-        Tenant, on_delete=models.CASCADE, related_name="deliveries", db_index=False
+        Tenant, on_delete=models.DO_NOTHING, related_name="+", db_index=False, db_constraint=False
     )
     state = models.CharField(
         max_length=16, choices=DeliveryState.choices, default=DeliveryState.PENDING
@@ -262,12 +271,6 @@ class Delivery(models.Model):
                 condition=Q(state__in=["enqueued", "leased"]),
                 name="delivery_in_flight",
             ),
-            # Customer history and the admin log: newest first, in all, by state, or for
-            # one tenant or endpoint.
-            models.Index(fields=["-created_at"], name="delivery_created"),
-            models.Index(fields=["state", "-created_at"], name="delivery_state_created"),
-            models.Index(fields=["tenant", "-created_at"], name="delivery_tenant_created"),
-            models.Index(fields=["endpoint", "-created_at"], name="delivery_endpoint_created"),
             # Dead-letter view (grouped by endpoint and reason from the index alone) and
             # bulk recovery.
             models.Index(
@@ -287,6 +290,73 @@ class Delivery(models.Model):
 
     def __str__(self) -> str:
         return str(self.id)
+
+
+def cascade_to_deliveries(collector, field, sub_objs, using):
+    """``on_delete`` of the listing's endpoint and tenant: deleting an endpoint or a
+    tenant, in any way Django deletes (a service, the admin, a queryset), deletes their
+    deliveries, found through the listing's indexes; the deliveries take their listing
+    rows and attempts with them. Django's CASCADE here would delete the listing rows
+    alone, and the delivery's own keys are DO_NOTHING so that Django never reads the
+    delivery table by its unindexed endpoint and tenant columns."""
+    collector.collect(
+        Delivery.objects.using(using).filter(pk__in=sub_objs.values("delivery_id")),
+        source=field.remote_field.model,
+        nullable=False,
+        fail_on_restricted=False,
+    )
+
+
+# The collector passes the listing rows unread: the deliveries' query reads them.
+cascade_to_deliveries.lazy_sub_objs = True
+
+
+class DeliveryListing(models.Model):
+    """Whose a delivery is and when it was made, written with it at publish and never
+    updated: what the delivery lists (the customer history, the admin log, retention)
+    read deliveries by, newest or oldest first, and what deleting an endpoint or a
+    tenant finds them by.
+
+    On the delivery row these indexes would get a new entry at each of its three state
+    changes; here each gets one, at publish (docs/architecture.md, "The listing
+    table"). A trigger on the delivery table writes it (migration 0016), in the
+    statement that inserts the deliveries, whoever inserts them: the listing cannot miss
+    a delivery. (A later migration that rebuilds the delivery table on SQLite, as
+    altering a column there does, drops the trigger and has to make it again:
+    tests/e2e/test_sqlite_smoke.py would find deliveries unlisted.)"""
+
+    # The key is the migration's (0016): ON DELETE CASCADE in PostgreSQL as well, for a
+    # previous release that deletes deliveries without knowing this table.
+    delivery = models.OneToOneField(
+        Delivery,
+        primary_key=True,
+        on_delete=models.CASCADE,
+        related_name="listing",
+        db_constraint=False,
+    )
+    tenant = models.ForeignKey(
+        Tenant, on_delete=cascade_to_deliveries, related_name="+", db_index=False
+    )
+    endpoint = models.ForeignKey(
+        Endpoint, on_delete=cascade_to_deliveries, related_name="+", db_index=False
+    )
+    # The delivery's created_at, copied.
+    created_at = models.DateTimeField()
+
+    class Meta:
+        indexes = [
+            # The admin log newest first (and under its state, event-type and outcome
+            # filters, which read on until a page is full), and retention oldest first.
+            models.Index(fields=["-created_at", "-delivery"], name="listing_created"),
+            # One tenant's deliveries newest first (the API's every list, the admin's
+            # tenant filter) and one endpoint's (the endpoint filter, and the reads and
+            # foreign-key checks of an endpoint's deletion).
+            models.Index(fields=["tenant", "-created_at", "-delivery"], name="listing_tenant"),
+            models.Index(fields=["endpoint", "-created_at", "-delivery"], name="listing_endpoint"),
+        ]
+
+    def __str__(self) -> str:
+        return str(self.delivery_id)
 
 
 class Attempt(models.Model):

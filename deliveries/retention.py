@@ -63,13 +63,13 @@ def days(n: float) -> timedelta:
 
 def _deliveries(now: datetime) -> list[QuerySet]:
     cutoff = now - days(settings.RETENTION_DELIVERIES_DAYS)
-    # One slice per terminal state: each is a range scan of delivery_state_created
-    # (state, -created_at), oldest first. finished_at is checked too: a replayed
-    # delivery keeps its old created_at but finished again recently.
+    # One slice per terminal state, each a range scan of listing_created, oldest first
+    # (the delivery row has no index on its creation time). finished_at is checked too:
+    # a replayed delivery keeps its old created_at but finished again recently.
     return [
         Delivery.objects.filter(
-            state=state, created_at__lt=cutoff, finished_at__lt=cutoff
-        ).order_by("created_at")
+            state=state, listing__created_at__lt=cutoff, finished_at__lt=cutoff
+        ).order_by("listing__created_at")
         for state in TERMINAL
     ]
 

@@ -141,7 +141,8 @@ def publish_event(
 
 
 # The event and one pending delivery per subscribed, enabled endpoint, in one statement
-# (the ORM takes three and builds a model per row). The subscription test is
+# (the ORM takes three and builds a model per row); the delivery table's trigger lists
+# them (models.DeliveryListing). The subscription test is
 # Endpoint.subscribes_to's: no event types means every type. Columns the statement leaves
 # out take the models' defaults, which the ORM path writes explicitly; keep both in step
 # (tests/deliveries/test_pipeline.py compares them). When deliveries were written and are

@@ -6,6 +6,7 @@ from datetime import UTC
 import django_filters
 from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.db.models import F
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, pagination, status, viewsets
 from rest_framework.decorators import action
@@ -22,6 +23,12 @@ class NewestFirst(pagination.CursorPagination):
     page_size = 50
     page_size_query_param = "limit"
     max_page_size = 250
+
+
+class NewestDeliveriesFirst(NewestFirst):
+    # The listing's creation time (DeliveryViewSet.get_queryset): its indexes give a
+    # tenant's or an endpoint's deliveries in this order (models.DeliveryListing).
+    ordering = ("-listed_at", "-id")
 
 
 class AttemptPages(pagination.CursorPagination):
@@ -163,11 +170,11 @@ class EventViewSet(
 
 class DeliveryFilter(django_filters.FilterSet):
     state = django_filters.ChoiceFilter(choices=DeliveryState.choices)
-    endpoint_id = django_filters.UUIDFilter()
+    endpoint_id = django_filters.UUIDFilter(field_name="listing__endpoint_id")
     event_id = django_filters.UUIDFilter()
     event_type = django_filters.CharFilter(field_name="event__event_type")
-    created_after = UtcDateTimeFilter(field_name="created_at", lookup_expr="gte")
-    created_before = UtcDateTimeFilter(field_name="created_at", lookup_expr="lt")
+    created_after = UtcDateTimeFilter(field_name="listing__created_at", lookup_expr="gte")
+    created_before = UtcDateTimeFilter(field_name="listing__created_at", lookup_expr="lt")
 
     class Meta:
         model = Delivery
@@ -179,9 +186,16 @@ class DeliveryViewSet(
 ):
     serializer_class = s.DeliveryOutput
     filterset_class = DeliveryFilter
+    pagination_class = NewestDeliveriesFirst
 
     def get_queryset(self):
-        return Delivery.objects.filter(tenant=self.tenant).select_related("event")
+        # Through the listing: its (tenant, created_at) index is the one a tenant's
+        # deliveries are read by, newest first; the delivery row has none.
+        return (
+            Delivery.objects.filter(listing__tenant=self.tenant)
+            .annotate(listed_at=F("listing__created_at"))
+            .select_related("event")
+        )
 
     @extend_schema(responses=s.AttemptOutput(many=True), filters=False)
     @action(detail=True, methods=["get"], pagination_class=AttemptPages)

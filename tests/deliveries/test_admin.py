@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from deliveries import services
 from deliveries.admin import CappedCountPaginator
-from deliveries.models import AuditEntry, Delivery, EventType, Tenant
+from deliveries.models import AuditEntry, Delivery, Endpoint, EventType, Tenant
 
 pytestmark = pytest.mark.django_db
 
@@ -195,3 +195,42 @@ def test_endpoint_health_counts_each_endpoints_attempts_of_the_last_24_hours(set
     assert page.status_code == 200
     assert b"100.0% of 1" in page.content  # ok: the 25-hour-old attempt is left out
     assert b"50.0% of 2" in page.content  # flaky: a 500, then a 200
+
+
+def test_the_delivery_log_is_newest_first_and_filters_through_the_listing():
+    tenant = Tenant.objects.create(name="acme")
+    first, _ = services.endpoint_create(tenant=tenant, url="https://example.com/first")
+    events = []
+    for i in range(3):
+        events.append(services.publish_event(tenant=tenant, event_type="t", payload={"i": i}))
+    other, _ = services.endpoint_create(tenant=tenant, url="https://example.com/other")
+    newer = services.publish_event(tenant=tenant, event_type="t", payload={})
+    client = staff()
+
+    page = client.get(CHANGELIST).context["cl"].result_list
+    assert [d.event_id for d in page] == [newer.id, newer.id] + [e.id for e in events[::-1]]
+    by_endpoint = client.get(CHANGELIST, {"endpoint": str(other.id)}).context["cl"]
+    assert [d.endpoint_id for d in by_endpoint.result_list] == [other.id]
+    by_first = client.get(CHANGELIST, {"endpoint": str(first.id)}).context["cl"]
+    assert [d.event_id for d in by_first.result_list] == [newer.id] + [e.id for e in events[::-1]]
+    elsewhere = Tenant.objects.create(name="elsewhere")
+    assert len(client.get(CHANGELIST, {"tenant": str(tenant.id)}).context["cl"].result_list) == 5
+    assert not client.get(CHANGELIST, {"tenant": str(elsewhere.id)}).context["cl"].result_list
+
+
+def test_an_endpoint_with_deliveries_is_not_deleted_from_the_admin(data):
+    """Delivery history is read-only in the admin, so the confirmation page names the
+    endpoint's deliveries (found through the listing) and the deletion is refused."""
+    _tenant, endpoint, _events = data
+    user = User.objects.create_superuser("root", password="pw")
+    client = Client()
+    client.force_login(user)
+    url = reverse("admin:deliveries_endpoint_delete", args=[endpoint.id])
+
+    confirm = client.get(url)
+    assert confirm.status_code == 200
+    assert dict(confirm.context["model_count"])["deliveries"] == 3
+    assert "delivery" in confirm.context["perms_lacking"]
+
+    assert client.post(url, {"post": "yes"}).status_code == 403
+    assert Delivery.objects.count() == 3 and Endpoint.objects.filter(id=endpoint.id).exists()

@@ -10,7 +10,15 @@ from django.urls import get_resolver
 from rest_framework.test import APIClient
 
 from deliveries import services
-from deliveries.models import ApiKey, Delivery, Event, Tenant
+from deliveries.models import (
+    ApiKey,
+    Attempt,
+    Delivery,
+    DeliveryListing,
+    Endpoint,
+    Event,
+    Tenant,
+)
 from tests.conftest import drain
 
 pytestmark = pytest.mark.django_db
@@ -136,6 +144,74 @@ def test_filters_and_cursor_pagination(alice):
     assert len(pending) == 7
     bad = client.get("/api/v1/deliveries/", {"state": "nonsense"})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid"
+
+
+def test_deliveries_list_newest_first_and_by_endpoint(alice):
+    client, _tenant, _ = alice
+    a = client.post("/api/v1/endpoints/", {"url": "https://example.com/a"}, format="json")
+    b = client.post("/api/v1/endpoints/", {"url": "https://example.com/b"}, format="json")
+    events = []
+    for i in range(4):
+        body = {"event_type": "t", "payload": {"i": i}}
+        events.append(client.post("/api/v1/events/", body, format="json"))
+    newest_first = [e.json()["id"] for e in reversed(events)]
+
+    listed = client.get("/api/v1/deliveries/").json()["results"]
+    assert [d["event_id"] for d in listed[::2]] == newest_first
+    assert [d["event_id"] for d in listed[1::2]] == newest_first
+    only_b = client.get("/api/v1/deliveries/", {"endpoint_id": b.json()["id"]}).json()
+    assert [d["event_id"] for d in only_b["results"]] == newest_first
+    assert {d["endpoint_id"] for d in only_b["results"]} == {b.json()["id"]}
+    assert a.json()["id"] != b.json()["id"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_deleting_an_endpoint_deletes_its_deliveries_and_leaves_the_others(receiver):
+    client, _tenant, _ = client_for("carol")
+    gone = client.post("/api/v1/endpoints/", {"url": receiver.url("/ok")}, format="json").json()
+    kept = client.post("/api/v1/endpoints/", {"url": receiver.url("/ok")}, format="json").json()
+    for i in range(3):
+        client.post("/api/v1/events/", {"event_type": "t", "payload": {"i": i}}, format="json")
+    drain()  # attempts recorded against both endpoints
+
+    assert client.delete(f"/api/v1/endpoints/{gone['id']}/").status_code == 204
+
+    assert not Endpoint.objects.filter(id=gone["id"]).exists()
+    assert not Delivery.objects.filter(endpoint_id=gone["id"]).exists()
+    assert not DeliveryListing.objects.filter(endpoint_id=gone["id"]).exists()
+    assert not Attempt.objects.filter(endpoint_id=gone["id"]).exists()
+    left = client.get("/api/v1/deliveries/").json()["results"]
+    assert len(left) == 3 and {d["endpoint_id"] for d in left} == {kept["id"]}
+    assert Attempt.objects.filter(endpoint_id=kept["id"]).count() == 3
+
+
+def test_any_deletion_of_endpoints_deletes_their_deliveries_through_the_listing(alice):
+    """Not only the API's: a queryset's delete too (models.cascade_to_deliveries), and
+    every foreign key holds at the end."""
+    client, _tenant, _ = alice
+    for url in ("https://example.com/a", "https://example.com/b"):
+        client.post("/api/v1/endpoints/", {"url": url}, format="json")
+    client.post("/api/v1/events/", {"event_type": "t", "payload": {}}, format="json")
+    assert DeliveryListing.objects.count() == Delivery.objects.count() == 2
+
+    _, per_model = Endpoint.objects.all().delete()
+    connection.check_constraints()
+
+    assert per_model["deliveries.Delivery"] == per_model["deliveries.DeliveryListing"] == 2
+    assert not Delivery.objects.exists() and not DeliveryListing.objects.exists()
+
+
+def test_deleting_a_tenant_deletes_its_deliveries_with_its_events():
+    client, tenant, _ = client_for("dave")
+    client.post("/api/v1/endpoints/", {"url": "https://example.com/a"}, format="json")
+    client.post("/api/v1/events/", {"event_type": "t", "payload": {}}, format="json")
+    other, _ = services.tenant_create(name="erin")
+
+    tenant.delete()
+    connection.check_constraints()
+
+    assert not Delivery.objects.exists() and not DeliveryListing.objects.exists()
+    assert Tenant.objects.get() == other
 
 
 def test_bulk_recovery_replays_dead_deliveries_since_a_time(alice):

@@ -9,7 +9,7 @@ from django.db import connection
 from django.utils import timezone
 
 from deliveries import services
-from deliveries.models import Attempt, Delivery, Tenant
+from deliveries.models import Attempt, Delivery, DeliveryListing, Tenant
 
 pytestmark = pytest.mark.django_db
 
@@ -68,3 +68,55 @@ def test_stored_bodies_are_compressed_with_lz4_and_read_back_whole(tenant):
         method, body = cursor.fetchone()
     assert method == "lz4"
     assert bytes(body) == services.encode_payload(payload)
+
+
+delivery_listing = importlib.import_module("deliveries.migrations.0016_delivery_listing")
+
+
+def test_0016_lists_the_deliveries_written_before_it_and_skips_those_listed(monkeypatch):
+    monkeypatch.setattr(delivery_listing, "BATCH", 2)  # several batches
+    tenant = Tenant.objects.create(name="acme")
+    for url in ("https://a.example/hook", "https://b.example/hook"):
+        services.endpoint_create(tenant=tenant, url=url)
+    for _ in range(3):
+        services.publish_event(tenant=tenant, event_type="x.y", payload={})
+    listed = set(DeliveryListing.objects.values_list("delivery_id", flat=True))
+    # As if written before the table: three deliveries not listed.
+    DeliveryListing.objects.filter(delivery_id__in=sorted(listed)[1:4]).delete()
+
+    with connection.schema_editor(atomic=False) as editor:
+        delivery_listing.fill(apps, editor)
+
+    rows = DeliveryListing.objects.values_list("delivery_id", "tenant_id", "endpoint_id")
+    expected = Delivery.objects.values_list("id", "tenant_id", "endpoint_id")
+    assert sorted(rows) == sorted(expected) and len(rows) == 6
+    for listing in DeliveryListing.objects.select_related("delivery"):
+        assert listing.created_at == listing.delivery.created_at
+
+
+def test_every_delivery_inserted_is_listed_whoever_inserts_it(tenant):
+    """The trigger, not the publish path, writes the listing: a raw INSERT (a previous
+    release's publish, a bulk load) is listed too, in the same statement."""
+    endpoint, _ = services.endpoint_create(tenant=tenant, url="https://a.example/hook")
+    event = services.publish_event(tenant=tenant, event_type="x.y", payload={}, endpoint_ids=[])
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO deliveries_delivery (id, event_id, endpoint_id, tenant_id, state,"
+            " priority, next_attempt_at, attempt_count, policy_attempts, dispatch_count,"
+            " lease_expiries, last_outcome, last_error, created_at, updated_at)"
+            " VALUES (gen_random_uuid(), %s, %s, %s, 'pending', 0, now(), 0, 0, 0, 0, '', '',"
+            " now(), now()) RETURNING id",
+            [event.id, endpoint.id, tenant.id],
+        )
+        [delivery_id] = cursor.fetchone()
+
+    listing = DeliveryListing.objects.get()
+    assert (listing.delivery_id, listing.tenant_id, listing.endpoint_id) == (
+        delivery_id,
+        tenant.id,
+        endpoint.id,
+    )
+    # And a delivery deleted without Django's collector takes its listing row with it.
+    with connection.cursor() as cursor:
+        cursor.execute("DELETE FROM deliveries_delivery WHERE id = %s", [delivery_id])
+    assert not DeliveryListing.objects.exists()

@@ -8,7 +8,15 @@ from django.utils import timezone
 from standardwebhooks.webhooks import Webhook
 
 from deliveries import services
-from deliveries.models import Attempt, Delivery, Endpoint, Event, Outbox, QueueMessage
+from deliveries.models import (
+    Attempt,
+    Delivery,
+    DeliveryListing,
+    Endpoint,
+    Event,
+    Outbox,
+    QueueMessage,
+)
 from tests.conftest import drain, make_due
 from tests.receiver import always, fail_first
 
@@ -58,6 +66,13 @@ def test_publish_writes_what_the_models_would(tenant, make_endpoint):
         updated_at=event.created_at,
     )
     assert columns(delivery) == columns(expected)
+    # Its listing row, written by the same statement: whose the delivery is.
+    listing = DeliveryListing.objects.get()
+    assert (listing.delivery_id, listing.tenant_id, listing.endpoint_id) == (
+        delivery.id,
+        tenant.id,
+        endpoint.id,
+    )
 
 
 def test_endpoint_ids_pick_enabled_endpoints_whatever_their_filters(tenant, make_endpoint):
@@ -82,6 +97,7 @@ def test_a_rolled_back_publish_leaves_nothing(tenant, make_endpoint):
 
     assert Event.objects.count() == 0
     assert Delivery.objects.count() == 0
+    assert DeliveryListing.objects.count() == 0
 
 
 def test_delivery_is_signed_and_verifiable_by_the_standardwebhooks_package(tenant, receiver):

@@ -16,7 +16,15 @@ from django.utils import timezone
 from django_q.models import Schedule
 
 from deliveries import services
-from deliveries.models import Attempt, Delivery, Endpoint, Event, LoopRun, Outbox
+from deliveries.models import (
+    Attempt,
+    Delivery,
+    DeliveryListing,
+    Endpoint,
+    Event,
+    LoopRun,
+    Outbox,
+)
 from deliveries.retention import prune
 from deliveries.tasks import install_schedules
 from ingest import handlers
@@ -42,6 +50,8 @@ def age(model, delta=OLD, **filters) -> None:
     qs = model.objects.filter(**filters)
     for field in fields:
         qs.filter(**{f"{field}__isnull": False}).update(**{field: now - delta})
+    if model is Delivery:  # and the listing's copy of the creation time
+        DeliveryListing.objects.filter(delivery__in=qs).update(created_at=now - delta)
 
 
 def test_prune_removes_terminal_history_past_the_window_and_nothing_else(
@@ -276,7 +286,7 @@ def test_prune_while_the_pipeline_runs_touches_nothing_non_terminal(tenant, rece
     age(Event)
     # Fresh work, its rows aged as well.
     live = [services.publish_event(tenant=tenant, event_type="new", payload={}) for _ in range(60)]
-    Delivery.objects.filter(event__in=live).update(created_at=now - OLD)
+    age(Delivery, event__in=live)
     Event.objects.filter(id__in=[e.id for e in live]).update(created_at=now - OLD)
     dead_ids = [d.id for d in old if d.state == "dead"]
 

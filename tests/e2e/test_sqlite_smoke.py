@@ -56,11 +56,14 @@ REPORT = """
 import json
 from collections import Counter
 from dataclasses import dataclass
-from deliveries.models import Delivery
+from deliveries.models import Delivery, DeliveryListing
 print(json.dumps({
     "states": Counter(Delivery.objects.values_list("state", flat=True)),
     "ids": [str(i) for i in Delivery.objects.values_list("id", flat=True)],
-}))
+    "owners": sorted(map(list, Delivery.objects.values_list("id", "tenant_id", "endpoint_id"))),
+    "listed": sorted(map(list, DeliveryListing.objects.values_list(
+        "delivery_id", "tenant_id", "endpoint_id"))),
+}, default=str))
 """
 
 
@@ -192,6 +195,8 @@ def test_several_processes_share_the_sqlite_file_and_deliver_every_event(
 
     report = last_json(shell(sqlite_env, REPORT))
     assert report["states"] == {"succeeded": EVENTS}
+    # The ORM's publish path writes each delivery's listing row too.
+    assert report["listed"] == report["owners"] and len(report["listed"]) == EVENTS
     received = receiver.requests_to("/smoke")
     assert {r.webhook_id for r in received} == set(report["ids"])
     verifier = Webhook(secret)
