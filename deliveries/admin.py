@@ -62,7 +62,7 @@ class CappedCountPaginator(Paginator):
 
     @cached_property
     def count(self) -> int:
-        capped = self.object_list.order_by()[: self.CAP + 1]
+        capped = self.counted().order_by()[: self.CAP + 1]
         if connection.vendor != "postgresql":
             return capped.count()
         try:
@@ -71,6 +71,25 @@ class CappedCountPaginator(Paginator):
                 return capped.count()
         except OperationalError:  # the count ran out of time: a lot of rows
             return self.CAP + 1
+
+    def counted(self):
+        return self.object_list
+
+
+class DeliveryLogPaginator(CappedCountPaginator):
+    """The delivery log's pages are read through an inner join to the listing: through
+    the outer join Django makes for the ordering's reverse one-to-one, PostgreSQL cannot
+    read the deliveries in the listing indexes' order, and sorts the table. The count
+    counts the rows as filtered, joining the listing only where a filter reads it (every
+    delivery has its listing row): a state or outcome filter counts from the delivery's
+    own partial indexes."""
+
+    def __init__(self, object_list, *args, **kwargs):
+        self.filtered = object_list
+        super().__init__(object_list.filter(listing__isnull=False), *args, **kwargs)
+
+    def counted(self):
+        return self.filtered
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -118,10 +137,13 @@ class EndpointFilter(admin.SimpleListFilter):
         return [(str(endpoint.id), endpoint.url)] if endpoint else []
 
     def queryset(self, request, queryset):
-        # The listing's (endpoint, delivery) index: the delivery row has none on its
-        # endpoint.
+        # Both copies of the endpoint: the listing's indexes give the order, and the
+        # delivery's partial indexes that lead with it (delivery_dead, due_endpoint)
+        # serve a state filter with it, as the dead-letter page's links set.
         value = _uuid(self.value())
-        return queryset.filter(listing__endpoint_id=value) if value else queryset
+        if not value:
+            return queryset
+        return queryset.filter(listing__endpoint_id=value, endpoint_id=value)
 
 
 class EventTypeFilter(admin.SimpleListFilter):
@@ -196,13 +218,14 @@ class DeliveryAdmin(ReadOnlyAdmin):
         EndpointFilter,
         EventTypeFilter,
         "last_outcome",
-        ("created_at", admin.DateFieldListFilter),
+        # The listing's copy of the creation time, which listing_created ranges over.
+        ("listing__created_at", admin.DateFieldListFilter),
     ]
     search_help_text = "A delivery id (webhook-id), an event id, or an entity id."
     search_fields = ["event__entity_id"]  # ids are matched exactly in get_search_results
     list_select_related = ["endpoint", "tenant", "event"]
     show_full_result_count = False
-    paginator = CappedCountPaginator
+    paginator = DeliveryLogPaginator
     list_per_page = 50
     # The listing's creation time: its indexes give this order, in all and under the
     # tenant and endpoint filters (models.DeliveryListing); the delivery row has none.
@@ -255,12 +278,6 @@ class DeliveryAdmin(ReadOnlyAdmin):
         ("What was sent", {"fields": ["headers_sent", "event_body"]}),
     ]
     change_form_template = "admin/deliveries/delivery/change_form.html"
-
-    def get_queryset(self, request):
-        # An inner join to the listing (every delivery has its row): through the outer
-        # join Django makes for a reverse one-to-one, PostgreSQL cannot read the
-        # deliveries in the listing indexes' order, and sorts the table instead.
-        return super().get_queryset(request).filter(listing__isnull=False)
 
     def get_search_results(self, request, queryset, search_term):
         """Exact matches on the delivery id, the event id or the entity id. Each is its
