@@ -120,19 +120,11 @@ def load(path: str | None, default: str) -> ModuleType:
 
 
 def signed_headers(signing: ModuleType, n: int, body: bytes) -> dict[str, str]:
-    """What ``deliveries.worker`` sends: custom headers plus the protocol headers."""
-    msg_id = f"msg_{n:012d}"
-    timestamp = int(time.time())
-    return {
-        **CUSTOM_HEADERS,
-        "content-type": "application/json",
-        "webhook-id": msg_id,
-        "webhook-timestamp": str(timestamp),
-        "webhook-signature": signing.signature_header(
-            [SECRET], msg_id=msg_id, timestamp=timestamp, body=body
-        ),
-        "idempotency-key": msg_id,
-    }
+    """What ``deliveries.worker`` sends: custom headers plus the protocol headers, from
+    ``signing.delivery_headers`` (a ``--before-signing`` copy must have it)."""
+    return signing.delivery_headers(
+        CUSTOM_HEADERS, [SECRET], msg_id=f"msg_{n:012d}", timestamp=int(time.time()), body=body
+    )
 
 
 async def run_many(send: Send, start: int, count: int, concurrency: int) -> None:

@@ -555,9 +555,9 @@ def take_out_published() -> None:
 def release_published() -> None:
     """Write the published deliveries back, due, in one transaction that wakes the
     scheduler, as a burst of publishes does: each row one version, as ``publish_event``
-    leaves it, and listed by the table's trigger. (Parking the rows and making them due with two
-    UPDATEs instead left three versions of each, and three entries in every index, which
-    no publish leaves.)"""
+    leaves it, and listed by the table's trigger. (Parking the rows and making them due
+    with two UPDATEs instead left three versions of each, and three entries in every
+    index, which no publish leaves.)"""
     from django.db import transaction
 
     from deliveries import wakeup

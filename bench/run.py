@@ -254,14 +254,11 @@ def scenario_throughput(ctx: dict) -> dict:
 
     for i in range(ctx["repeat"]):
         log(f"throughput {i + 1}/{ctx['repeat']}, N = {n:,}")
-        bare = ob.run_bare(receiver, n, BARE_CONCURRENCY)
-        bare["wall_per_second"] = bare["per_second"]
-        bare["per_second"] = receiver_rate(receiver.counts(), n)
-        add("bare aiohttp loop", bare)
-        signed = ob.run_bare(receiver, n, BARE_CONCURRENCY, signed=True)
-        signed["wall_per_second"] = signed["per_second"]
-        signed["per_second"] = receiver_rate(receiver.counts(), n)
-        add(BASELINE_SIGNED, signed)
+        for name, signed in (("bare aiohttp loop", False), (BASELINE_SIGNED, True)):
+            loop = ob.run_bare(receiver, n, BARE_CONCURRENCY, signed=signed)
+            loop["wall_per_second"] = loop["per_second"]
+            loop["per_second"] = receiver_rate(receiver.counts(), n)
+            add(name, loop)
         add(BASELINE_SKIP_LOCKED, run_peer(BASELINE_SKIP_LOCKED, "skiplocked.py", [], n, ctx))
         add("service", drain(pipeline, fresh_publish=(i == 0)))
         add(BASELINE_FLOOR, drain(ob.FloorPipeline(workers=pipeline.workers), fresh_publish=False))

@@ -200,9 +200,9 @@ def test_endpoint_health_counts_each_endpoints_attempts_of_the_last_24_hours(set
 def test_the_delivery_log_is_newest_first_and_filters_through_the_listing():
     tenant = Tenant.objects.create(name="acme")
     first, _ = services.endpoint_create(tenant=tenant, url="https://example.com/first")
-    events = []
-    for i in range(3):
-        events.append(services.publish_event(tenant=tenant, event_type="t", payload={"i": i}))
+    events = [
+        services.publish_event(tenant=tenant, event_type="t", payload={"i": i}) for i in range(3)
+    ]
     other, _ = services.endpoint_create(tenant=tenant, url="https://example.com/other")
     newer = services.publish_event(tenant=tenant, event_type="t", payload={})
     client = staff()

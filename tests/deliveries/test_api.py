@@ -150,10 +150,10 @@ def test_deliveries_list_newest_first_and_by_endpoint(alice):
     client, _tenant, _ = alice
     a = client.post("/api/v1/endpoints/", {"url": "https://example.com/a"}, format="json")
     b = client.post("/api/v1/endpoints/", {"url": "https://example.com/b"}, format="json")
-    events = []
-    for i in range(4):
-        body = {"event_type": "t", "payload": {"i": i}}
-        events.append(client.post("/api/v1/events/", body, format="json"))
+    events = [
+        client.post("/api/v1/events/", {"event_type": "t", "payload": {"i": i}}, format="json")
+        for i in range(4)
+    ]
     newest_first = [e.json()["id"] for e in reversed(events)]
 
     listed = client.get("/api/v1/deliveries/").json()["results"]
