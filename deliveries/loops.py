@@ -44,6 +44,11 @@ logger = logging.getLogger("deliveries")
 
 SOON_WAIT = 0.02
 BLOCKED_WAIT = 0.05
+# While the global in-flight ceiling is full, the scheduler comes back when about this
+# share of it can have been freed (at the rate the workers freed slots since its last
+# pass), waiting at least SOON_WAIT and at most REFILL_MAX_WAIT (refill_pause).
+REFILL_SHARE = 0.1
+REFILL_MAX_WAIT = 0.2
 
 
 @dataclass
@@ -59,6 +64,11 @@ class Tick:
     idle: bool = False
     # The scheduler's sweeps left work: sweep again on the next pass.
     sweep_busy: bool = False
+    # The scheduler's admission pass, if it ran.
+    admission: state.AdmissionResult | None = None
+    # Seconds to wait before the next unit, whatever notifications arrive meanwhile
+    # (unless ``busy``).
+    pause: float = 0.0
 
 
 # --- Scheduler ---------------------------------------------------------------------------
@@ -79,6 +89,7 @@ def scheduler_tick(*, page_size: int | None = None, sweep: bool = True) -> Tick:
             now=now, older_than=settings.SCHEDULER_STALE_ENQUEUED_SECONDS, limit=page_size
         )
     admitted = state.admit_due(now=now, page_size=page_size, limits=state.Limits.from_settings())
+    tick.admission = admitted
     tick.counts["enqueued"] = admitted.admitted
     tick.counts["held_back"] = admitted.held_back
     expiries_left = tick.counts["lease_expired"] >= page_size  # a full page: more may wait
@@ -111,12 +122,20 @@ class SchedulerPasses:
     under load a pass comes every few tens of milliseconds; the sweeps look for work
     that only a lease or a backoff running out creates, so repeating them that often
     only cost their queries (about half of the scheduler's CPU under load).
+
+    While the global in-flight ceiling is full, a pass can admit only the slots freed
+    since the last one, and every recording frees some: a pass after each would admit a
+    few hundred rows at a time, each pass counting the thousands in flight and each
+    admission making a relay page. So a pass that fills the ceiling asks the loop to
+    pause (``refill_pause``) until about a tenth of it can be free again.
     """
 
     def __init__(self, *, page_size: int | None = None, sweep_every: float | None = None):
         self.page_size = page_size
         self.sweep_every = settings.SCHEDULER_INTERVAL if sweep_every is None else sweep_every
         self.next_sweep = 0.0
+        # When the last pass began, and the rows in flight when it ended.
+        self.last: tuple[float, int] | None = None
 
     def __call__(self) -> Tick:
         started = time.monotonic()
@@ -124,7 +143,25 @@ class SchedulerPasses:
         tick = scheduler_tick(page_size=self.page_size, sweep=sweep)
         if sweep and not tick.sweep_busy:
             self.next_sweep = started + self.sweep_every
+        admission = tick.admission
+        if admission is not None:
+            last, self.last = self.last, (started, admission.in_flight + admission.admitted)
+            if admission.filled and last is not None:
+                freed = last[1] - admission.in_flight
+                tick.pause = refill_pause(freed, started - last[0], settings.DELIVERY_MAX_IN_FLIGHT)
         return tick
+
+
+def refill_pause(freed: int, seconds: float, max_in_flight: int) -> float:
+    """How long the scheduler waits after a pass that filled the global ceiling: the
+    time the workers take to free REFILL_SHARE of it, at the rate they freed ``freed``
+    slots in the ``seconds`` since the pass before, between SOON_WAIT and REFILL_MAX_WAIT.
+    Nothing freed (or a clock that did not move): the longest wait. A small ceiling on
+    fast workers waits SOON_WAIT, as every other pass that admitted work does."""
+    if freed <= 0 or seconds <= 0:
+        return REFILL_MAX_WAIT
+    wait = REFILL_SHARE * max_in_flight * seconds / freed
+    return min(max(wait, SOON_WAIT), REFILL_MAX_WAIT)
 
 
 def _count_recoveries(counts: Counter) -> None:
@@ -346,8 +383,9 @@ def run_loop(
     """Run ``unit`` until stopped (``once``: a single unit; ``until_idle``: until a unit
     reports nothing left). Returns the summed counts, also kept in a LoopRun row.
 
-    Pacing: at once while busy; after SOON_WAIT while there is work in motion, and
-    BLOCKED_WAIT while due work waits under a ceiling; when idle,
+    Pacing: at once while busy; after the unit's ``pause`` when it asks for one; after
+    SOON_WAIT while there is work in motion, and BLOCKED_WAIT while due work waits under
+    a ceiling; when idle,
     a wait that doubles from SOON_WAIT up to ``interval``, so an idle loop costs little
     and a busy one answers within milliseconds. With ``listen`` channels (PostgreSQL,
     deliveries.wakeup) a notification ends the blocked and the idle waits early, and an
@@ -395,7 +433,12 @@ def run_loop(
         if time.monotonic() - last_beat > heartbeat_every:
             with_db_retry(lambda: save_run(run, totals), stop, attempts=1)
             last_beat = time.monotonic()
-        if tick.busy or tick.soon:
+        if tick.pause and not tick.busy:
+            idle_wait = SOON_WAIT
+            stop.event.wait(tick.pause)
+            if listener is not None:
+                listener.drain()  # what arrived meanwhile is what the next unit finds
+        elif tick.busy or tick.soon:
             idle_wait = SOON_WAIT
             if not tick.busy:
                 # Pacing while work flows, not idleness: notifications (one per publish,

@@ -87,6 +87,11 @@ class AdmissionResult:
     held_back: int = 0
     # The global in-flight ceiling is reached: nothing was scanned.
     saturated: bool = False
+    # Rows in flight (enqueued or leased) in all when the pass began.
+    in_flight: int = 0
+    # The pass took the last slot under the global ceiling (saturated included): the
+    # next pass can admit only what the workers free meanwhile.
+    filled: bool = False
 
 
 def _take_admission_lock() -> None:
@@ -119,9 +124,11 @@ def admit_due(*, now: datetime, page_size: int, limits: Limits) -> AdmissionResu
         for tenant_id, endpoint_id, n in _in_flight():
             by_tenant[tenant_id] += n
             by_endpoint[endpoint_id] += n
-        free = min(page_size, limits.max_in_flight - sum(by_tenant.values()))
+        result.in_flight = sum(by_tenant.values())
+        room = limits.max_in_flight - result.in_flight
+        free = min(page_size, room)
         if free <= 0:
-            result.saturated = True
+            result.saturated = result.filled = True
             return result
         full_tenants = {t for t, n in by_tenant.items() if n >= limits.tenant_max_in_flight}
         slots = _Slots(limits, by_tenant, by_endpoint, _endpoint_limits(by_endpoint))
@@ -146,6 +153,7 @@ def admit_due(*, now: datetime, page_size: int, limits: Limits) -> AdmissionResu
                 break
             full_tenants |= {r[1] for r in rows if slots.tenant_full(r[1])}
             full_endpoints |= {r[2] for r in rows if slots.endpoint_full(r[2])}
+        result.filled = free <= 0 and room <= page_size
         _save_buckets(slots.buckets)
         if result.admitted:
             # Once a pass, not once a chunk: PostgreSQL folds them anyway, and each was a

@@ -221,3 +221,28 @@ def test_the_global_ceiling_binds_when_no_tenant_or_endpoint_ceiling_is_near():
     assert in_flight.count() == 7
     Delivery.objects.filter(id=in_flight.first().id).update(state="succeeded")
     assert admit(total=7).admitted == 1
+
+
+def test_a_pass_that_takes_the_last_global_slot_says_the_ceiling_is_filled():
+    """``filled``: the next pass can admit only what the workers free meanwhile (the
+    scheduler then paces itself, loops.refill_pause). A pass stopped by its page, by an
+    endpoint's ceiling or by running out of due rows has not filled it."""
+    t = Tenant.objects.create(name="t")
+    fill(t, 10, url="http://127.0.0.1:9/a")
+
+    by_page = admit(page=2, total=100)
+    assert (by_page.admitted, by_page.filled, by_page.in_flight) == (2, False, 0)
+    by_ceiling = admit(page=100, total=5)  # room for 3 more in all
+    assert (by_ceiling.admitted, by_ceiling.filled, by_ceiling.in_flight) == (3, True, 2)
+    saturated = admit(page=100, total=5)
+    assert (saturated.admitted, saturated.saturated, saturated.filled) == (0, True, True)
+    assert saturated.in_flight == 5
+    # The same room as the page: the ceiling is what stopped it.
+    assert admit(page=2, total=7).filled
+
+    Delivery.objects.filter(state="enqueued").update(state="succeeded")
+    other = Tenant.objects.create(name="other")
+    fill(other, 3, url="http://127.0.0.1:9/capped", max_concurrency=1)
+    # The three rows of t left, and one of the capped endpoint's three.
+    by_endpoint = admit(page=100, total=100)
+    assert (by_endpoint.admitted, by_endpoint.held_back, by_endpoint.filled) == (4, 2, False)

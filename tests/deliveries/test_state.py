@@ -258,6 +258,57 @@ def test_a_sweep_that_filled_its_page_runs_again_on_the_next_pass(
     assert "lease_expired" not in passes().counts  # the next sweep waits 60 s
 
 
+def test_the_refill_pause_is_the_time_to_free_a_tenth_of_the_ceiling():
+    from deliveries.loops import REFILL_MAX_WAIT, SOON_WAIT, refill_pause
+
+    # 5,000 in flight at most; 500 freed in the last 0.1 s: a tenth frees in 0.1 s.
+    assert refill_pause(500, 0.1, 5000) == pytest.approx(0.1)
+    assert refill_pause(250, 0.1, 5000) == pytest.approx(0.2)
+    # A small ceiling on fast workers looks again as soon as any pass that did work.
+    assert refill_pause(500, 0.1, 100) == SOON_WAIT
+    # Slow workers, or none freed anything (another scheduler admitted meanwhile, say):
+    # never longer than the cap.
+    assert refill_pause(10, 1.0, 5000) == REFILL_MAX_WAIT
+    assert refill_pause(0, 0.1, 5000) == REFILL_MAX_WAIT
+    assert refill_pause(-40, 0.1, 5000) == REFILL_MAX_WAIT
+    assert refill_pause(500, 0.0, 5000) == REFILL_MAX_WAIT
+
+
+def test_a_pass_that_fills_the_global_ceiling_pauses_by_the_rate_slots_came_free(
+    tenant, make_endpoint, monkeypatch, settings
+):
+    """SchedulerPasses: once the global ceiling is full, the next pass waits for a
+    tenth of it to come free (at the workers' rate since the last pass) instead of
+    passing at every recording; a pass with room left does not pause."""
+    from deliveries import loops
+
+    settings.DELIVERY_MAX_IN_FLIGHT = 10
+    clock = [1000.0]
+    monkeypatch.setattr(loops.time, "monotonic", lambda: clock[0])
+    make_endpoint("http://127.0.0.1:9/x")
+    publish(tenant, n=20)
+    passes = loops.SchedulerPasses(sweep_every=60)
+
+    first = passes()
+    # Filled, but with no pass before it there is no rate yet: no pause asked.
+    assert (first.counts["enqueued"], first.admission.filled, first.pause) == (10, True, 0.0)
+    # The workers finish 4 in the next 0.5 s: 8 a second, a tenth of 10 in 0.125 s.
+    clock[0] += 0.5
+    done = Delivery.objects.filter(state="enqueued").values_list("id", flat=True)[:4]
+    Delivery.objects.filter(id__in=list(done)).update(state="succeeded")
+    second = passes()
+    assert (second.counts["enqueued"], second.admission.in_flight) == (4, 6)
+    assert second.pause == pytest.approx(0.125)
+    # Nothing freed since: the longest pause.
+    clock[0] += 0.125
+    assert passes().pause == loops.REFILL_MAX_WAIT
+    # The last six due, room for ten: no pause.
+    clock[0] += 0.2
+    Delivery.objects.filter(state="enqueued").update(state="succeeded")
+    last = passes()
+    assert (last.counts["enqueued"], last.admission.filled, last.pause) == (6, False, 0.0)
+
+
 def failed_batch(tenant, make_endpoint, answers):
     """Lease one delivery per answer (each to its own endpoint) and build the results."""
     from deliveries.policy import classify

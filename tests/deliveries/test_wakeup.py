@@ -1,6 +1,7 @@
 """Wake-ups on PostgreSQL (deliveries.wakeup): new due work wakes the scheduler at the
 commit that makes it visible, and nothing else does."""
 
+import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -182,6 +183,50 @@ def test_while_work_flows_notifications_wait_for_the_pacing_instead_of_a_pass_ea
     # At most one pass per SOON_WAIT (and one for the wait under way at the start).
     assert len(during) <= (sent_until - sent_from) / SOON_WAIT + 2
     assert len(during) >= 2, "the loop kept passing while the notifications came"
+
+
+def test_a_pause_the_unit_asks_for_is_kept_whatever_notifications_arrive(monkeypatch):
+    """The scheduler's pause while the global ceiling is full (SchedulerPasses): the
+    workers' FREED notifications, one a recording, must not cut it short, and are read
+    meanwhile rather than left to pile up."""
+    stop = StopFlag()
+    errors: list[BaseException] = []
+    passes: list[float] = []
+    drained: list[int] = []
+    real_drain = wakeup.Listener.drain
+    monkeypatch.setattr(
+        wakeup.Listener, "drain", lambda self: drained.append(real_drain(self)) or drained[-1]
+    )
+
+    def unit() -> Tick:
+        if not passes:
+            passes.append(0.0)
+            return Tick(idle=True)  # one idle wait: the listener connects and LISTENs
+        passes.append(time.monotonic())
+        return Tick(soon=True, blocked=True, pause=0.3)
+
+    thread = in_thread(
+        lambda: run_loop("scheduler", unit, interval=30.0, stop=stop, listen=(wakeup.DUE,)),
+        errors,
+    )
+    try:
+        time.sleep(0.05)
+        wakeup.notify(wakeup.DUE)  # ends the idle wait
+        time.sleep(0.05)
+        until = time.monotonic() + 1.0
+        while time.monotonic() < until:
+            wakeup.notify(wakeup.DUE)
+            time.sleep(0.01)
+    finally:
+        stop.event.set()
+        thread.join(5)
+    assert not thread.is_alive()
+    assert not errors
+    passes = passes[1:]
+    gaps = [b - a for a, b in itertools.pairwise(passes)]
+    assert 3 <= len(passes) <= 5, passes
+    assert min(gaps) >= 0.29, gaps
+    assert sum(drained) >= 50, drained
 
 
 def test_an_admission_pass_wakes_the_relay_only_when_it_wrote_outbox_rows(
