@@ -196,7 +196,7 @@ def run_worker(
         (broker.DatabaseBroker, "settle"),
         (worker, "_claim"),
         (worker, "_record_and_acknowledge"),
-        (worker, "signature_header"),
+        (worker, "delivery_headers"),
         (worker, "active_secrets"),
         (state, "lease"),
         (state, "record"),
