@@ -53,9 +53,9 @@ $(VENV)/.bench-installed: requirements/bench.txt requirements/dev.txt requiremen
 bench: $(VENV)/.bench-installed
 	@set -e; export DATABASE_URL="$$(scripts/ensure_postgres.sh)"; \
 	scripts/ensure_redis.sh; \
+	$(PY) bench/admin_log.py; \
 	$(PY) bench/run.py $(BENCH_ARGS); \
-	$(PY) bench/ingest.py $(INGEST_BENCH_ARGS); \
-	$(PY) bench/admin_log.py
+	$(PY) bench/ingest.py $(INGEST_BENCH_ARGS)
 
 ## make soak: the drain-and-count chaos run (docs/reliability.md): 100,000 events through
 ## the real commands while they are killed, on a private PostgreSQL cluster it starts,
