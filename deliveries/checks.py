@@ -3,7 +3,8 @@
 import ipaddress
 
 from django.conf import settings
-from django.core.checks import Error, register
+from django.core.checks import Error, Tags, Warning, register
+from django.db import connections
 from django.utils.module_loading import import_string
 
 
@@ -65,3 +66,35 @@ def check_delivery_settings(app_configs, **kwargs):
             )
         )
     return errors
+
+
+@register(Tags.database)
+def check_database_server(app_configs, databases=None, **kwargs):
+    """``manage.py check --database default`` (and ``migrate``): the server settings the
+    queue tables depend on."""
+    warnings = []
+    for alias in databases or ():
+        connection = connections[alias]
+        if connection.vendor != "postgresql":
+            continue
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT current_setting('autovacuum')::bool")
+            (autovacuum,) = cursor.fetchone()
+        warnings += autovacuum_warnings(alias, autovacuum=autovacuum)
+    return warnings
+
+
+def autovacuum_warnings(alias: str, *, autovacuum: bool) -> list[Warning]:
+    """With autovacuum off, the tables that churn a row per message, per dispatch and per
+    state change bloat without bound (docs/deployment.md, "Autovacuum for the queue
+    tables")."""
+    if autovacuum:
+        return []
+    return [
+        Warning(
+            f"autovacuum is off on the PostgreSQL server of database {alias!r}: the queue, "
+            "outbox and delivery tables churn and will bloat without it.",
+            hint='Set autovacuum = on (docs/deployment.md, "Autovacuum for the queue tables").',
+            id="deliveries.W001",
+        )
+    ]

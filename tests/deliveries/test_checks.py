@@ -1,0 +1,37 @@
+"""The database-tagged system check: run by `check --database` and by `migrate`, never by a
+plain `check` (it asks the server)."""
+
+import pytest
+from django.core.checks import run_checks
+from django.db import connection
+
+from deliveries.checks import autovacuum_warnings, check_database_server
+
+
+def test_autovacuum_off_is_a_warning_that_names_the_database_and_the_fix():
+    (warning,) = autovacuum_warnings("default", autovacuum=False)
+    assert warning.id == "deliveries.W001"
+    assert "'default'" in warning.msg
+    assert "docs/deployment.md" in warning.hint
+    assert autovacuum_warnings("default", autovacuum=True) == []
+
+
+@pytest.mark.django_db
+def test_the_check_reads_the_server_setting_of_each_database_it_is_given():
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW autovacuum")
+        (shown,) = cursor.fetchone()
+    assert shown in ("on", "off")
+    expected = ["deliveries.W001"] if shown == "off" else []
+    assert [w.id for w in check_database_server(None, databases=["default"])] == expected
+    assert check_database_server(None, databases=None) == []
+
+
+@pytest.mark.django_db
+def test_only_checks_given_databases_ask_the_server():
+    assert "deliveries.W001" not in [m.id for m in run_checks()]
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW autovacuum")
+        (shown,) = cursor.fetchone()
+    asked = [m.id for m in run_checks(databases=["default"])]
+    assert ("deliveries.W001" in asked) == (shown == "off")
