@@ -1,7 +1,7 @@
 """The one door for outbound HTTP: SSRF guard, timeouts, size cap, error kinds.
 
 Every request the service makes to a URL a tenant gave us goes through
-:class:`EgressSession`. The rules (reference §3) and where each is enforced:
+:class:`EgressSession`. The rules (docs/security.md, "Egress (SSRF)") and where each is enforced:
 
 * Only ``http``/``https``, no credentials in the URL, a syntactically sane host:
   :meth:`EgressPolicy.check_url`, before anything touches the network.

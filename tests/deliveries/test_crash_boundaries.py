@@ -1,4 +1,4 @@
-"""Crash boundaries from design §4: the real commands are killed (os._exit, as kill -9)
+"""The crash boundaries of docs/architecture.md: the real commands are killed (os._exit, as kill -9)
 at each named point, then the pipeline runs on. Each test ends with one terminal logical
 delivery, and every copy the receiver saw carries the same webhook-id."""
 

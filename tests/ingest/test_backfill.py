@@ -137,7 +137,7 @@ N = 100_000
 PAGE_SIZE = 1000
 # The rate is measured as the limit that binds, so a page's work (storing 1,000 events)
 # must fit in 1/RATE: 200-350 ms on the usual 2-core test machine, about 550 ms on one
-# whose Python ran ten times slower (session 10), where 2/s paced 1.81/s.
+# whose Python ran ten times slower, where 2/s paced 1.81/s.
 RATE = 1.0
 
 

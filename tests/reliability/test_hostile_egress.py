@@ -4,7 +4,7 @@
 per rule, the rebinding answer refused whole, a redirect returned not followed, the 1 GiB
 body cut at the cap, a trickle hitting the total timeout). This module adds:
 
-* properties: every address form of reference §3, spelled every way a URL parser or
+* properties: every refused address form (docs/security.md), spelled every way a URL parser or
   ``inet_aton`` accepts, is refused by ``check_url``, and any DNS answer holding a
   refused record is refused whole;
 * the attacks end to end: time-based DNS rebinding against a raw listener on 127.0.0.1
@@ -84,7 +84,7 @@ def tripwire(monkeypatch) -> Tripwire:
 
 # --- spellings ---------------------------------------------------------------------------
 
-# Reference §3, one representative of each form, plus the ranges the forms live in.
+# One representative of each refused address form, plus the ranges the forms live in.
 REFUSED_ADDRESSES = [
     "127.0.0.1", "127.255.255.254", "0.0.0.0", "10.0.0.1", "172.16.0.1", "192.168.1.1",
     "169.254.169.254", "169.254.0.1", "100.64.0.1", "100.100.100.200", "224.0.0.1",
