@@ -357,7 +357,7 @@ async def _bare(url: str, body: bytes, n: int, concurrency: int) -> dict:
 
 
 async def _signed(url: str, body: bytes, n: int, concurrency: int) -> dict:
-    """The bare loop's N POSTs as the issue asks each delivery sent: the worker's headers
+    """The bare loop's N POSTs, each sent the way the worker sends a delivery: its headers
     (``deliveries.signing.delivery_headers``: a fresh timestamp and Standard Webhooks
     signature per request, a distinct ``webhook-id``) through ``deliveries.egress`` with
     its checks, capped reading and pool, on 127.0.0.0/8 only. No database, no lease, no
@@ -556,8 +556,8 @@ def release_published() -> None:
     """Write the published deliveries back, due, in one transaction that wakes the
     scheduler, as a burst of publishes does: each row one version, as ``publish_event``
     leaves it, and listed by the table's trigger. (Parking the rows and making them due
-    with two UPDATEs instead left three versions of each, and three entries in every
-    index, which no publish leaves.)"""
+    with two UPDATEs instead would leave three versions of each, and three entries in
+    every index, which no publish leaves.)"""
     from django.db import transaction
 
     from deliveries import wakeup

@@ -149,8 +149,8 @@ def run_peer(name: str, script: str, extra: list, n: int, ctx: dict) -> dict:
 def service_pipeline(env: dict) -> "ob.Pipeline":
     """The service as every scenario runs it: one run_workers process per core, two
     lanes each, batches of 500, 256 requests in flight per process (the bare loop's
-    concurrency; 512, the product's default, which leaves room for slow endpoints,
-    cost each request more CPU in the client and the receiver here: docs/benchmarks.md)."""
+    concurrency; 512, the product's default, leaves room for slow endpoints but costs
+    each request more CPU in the client and the receiver)."""
     return ob.Pipeline(
         workers=os.cpu_count() or 1,
         lanes=2,
@@ -202,7 +202,7 @@ def design_bound(
     bare: dict, signed: dict, service: dict, drains: list[dict], n: int, cores: int
 ) -> dict | None:
     """The most the design leaves of the bare loop on this machine, from CPU alone: the
-    statements ceiling with the request sent as the issue asks (``signed``: the worker's
+    statements ceiling with the request as the worker sends it (``signed``: the worker's
     headers and signature, through the egress module) and the design's scheduler and relay
     processes (their CPU in the service's run) charged too. Still nothing for the
     workers' own Python (claims, recording, leases, ceilings) or for the kernel, and every
@@ -883,7 +883,7 @@ def markdown(result: dict) -> str:
             lines += [
                 f"CPU bound of the design: **{fmt(bound['over_bare_loop'], 2)}** of the bare "
                 f"loop ({fmt(bound['per_second'])}/s). The ceiling above with the request "
-                "sent as the issue asks, signed and through the egress module (the signed "
+                "as the worker sends it, signed and through the egress module (the signed "
                 f"loop's CPU per request, {fmt(bound['signed_request_cpu_us'])} µs with the "
                 "receiver's), and the design's scheduler and relay processes "
                 f"({fmt(bound['scheduler_relay_cpu_us'])} µs per delivery in the service's "
