@@ -1,6 +1,6 @@
 """The delivery log's admin pages with 1,000,000 deliveries on PostgreSQL.
 
-Target (from the issue): the list and filtered pages stay under 200 ms. This is a
+Target: the list and filtered pages stay under 200 ms. This is a
 measurement, not a timed test:
 
     .venv/bin/python bench/admin_log.py                  # generate once, then measure

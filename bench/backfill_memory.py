@@ -1,5 +1,5 @@
 """Backfill memory stays flat: peak RSS of ``manage.py backfill`` for 10,000 and for
-100,000 records (issue 6: within 20% of each other).
+100,000 records (target: within 20% of each other).
 
     DATABASE_URL=postgres://webhooks@127.0.0.1:5432/webhooks_bench_backfill \\
         .venv/bin/python bench/backfill_memory.py [--sizes 10000,100000]

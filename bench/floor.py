@@ -3,7 +3,7 @@
 A measurement, not a product: ``bench/outbound.py --floor`` runs it beside the bare loop
 and the service, on the same published rows, receiver and clock. It answers one
 question the throughput target raises: how fast could *any* implementation of the
-design of record go on this machine, given the writes the design makes per delivery?
+design go on this machine, given the writes it makes per delivery?
 
 Each role runs the service's statements verbatim (imported from ``deliveries``), on the
 service's tables and indexes, and nothing else:

@@ -23,7 +23,7 @@ Q_CLUSTER = {
     # in-memory queue (the default queue_limit is workers ** 2).
     "bulk": int(os.environ.get("DJQ_BULK", "50")),
     "queue_limit": int(os.environ.get("DJQ_QUEUE_LIMIT", "500")),
-    # No result rows: the workload has no result (the "result saving off").
+    # No result rows: the workload has no result (result saving off, as in the reference figure).
     "save_limit": -1,
     "timeout": 30,
     "retry": 60,
