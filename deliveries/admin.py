@@ -283,6 +283,11 @@ class DeliveryAdmin(ReadOnlyAdmin):
     ]
     change_form_template = "admin/deliveries/delivery/change_form.html"
 
+    def get_paginator(self, request, queryset, per_page, orphans=0, allow_empty_first_page=True):
+        # The History page pages the admin's LogEntry rows, which have no listing to join.
+        paginator = DeliveryLogPaginator if queryset.model is Delivery else CappedCountPaginator
+        return paginator(queryset, per_page, orphans, allow_empty_first_page)
+
     def get_search_results(self, request, queryset, search_term):
         """Exact matches on the delivery id, the event id or the entity id. Each is its
         own indexed lookup: one OR across the event join would scan the whole table."""
