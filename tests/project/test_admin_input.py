@@ -12,6 +12,7 @@ from django.contrib.admin.utils import quote
 from django.db import models
 from django.urls import reverse
 
+from deliveries.models import ApiKey, Delivery, Tenant
 from tests.project.admin_console import (
     admin_url,
     console_data,
@@ -119,3 +120,31 @@ def test_no_admin_page_answers_500_whatever_the_input():
                 crawl(changelist, selection, method="post")
 
     assert not failures, "\n".join(failures)
+
+
+def test_input_the_database_refuses_gets_a_400_and_a_log_line(caplog):
+    """Each of the three refusals, answered 400 (not a redirect, not a 500), logged with
+    its reason and without the hostile value."""
+    console_data()
+    root, _ = superuser_client()
+    deliveries = admin_url(Delivery, "changelist")
+    offset = "2024-01-01T00:00:00+20:00"  # Python takes it; PostgreSQL refuses it
+    cases = [
+        ("get", deliveries, {"state__exact": "dead\x00"}, "nul"),
+        ("get", deliveries, {"listing__created_at__gte": offset}, "database_refused_value"),
+        (
+            "post",
+            admin_url(Tenant, "changelist"),
+            {"action": "create_api_key", ACTION_CHECKBOX_NAME: ["garbage"]},
+            "selection_not_keys",
+        ),
+    ]
+    keys = ApiKey.objects.count()
+    for method, url, params, reason in cases:
+        caplog.clear()
+        response = getattr(root, method)(url, params)
+        assert response.status_code == 400, (params, response.status_code)
+        [record] = [r for r in caplog.records if getattr(r, "action", "") == "admin.input_refused"]
+        assert (record.reason, record.path) == (reason, url)
+        assert offset not in record.getMessage() and "garbage" not in str(record.__dict__)
+    assert ApiKey.objects.count() == keys
