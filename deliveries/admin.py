@@ -1,6 +1,7 @@
 """The operator's console: read-only history, and actions that call services and write an
-audit row in the same transaction. Viewing needs the usual view permissions; replaying
-and cancelling need ``deliveries.replay_delivery``."""
+audit row in the same transaction. Viewing a page needs the view permission on its
+model; every action that changes anything declares its own permission (``permissions=``),
+listed in docs/operations.md, "Admin permissions"."""
 
 import json
 import uuid
@@ -8,6 +9,7 @@ from collections import Counter
 from datetime import timedelta
 
 from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db import OperationalError, connection, transaction
 from django.db.models import Avg, Count, Max, Q
@@ -17,6 +19,8 @@ from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.functional import cached_property
 from django.utils.html import format_html, format_html_join
+from django_q import admin as q_admin  # registers django-q2's admins, replaced below
+from django_q.models import Failure, Success
 
 from . import services
 from .models import (
@@ -279,6 +283,11 @@ class DeliveryAdmin(ReadOnlyAdmin):
     ]
     change_form_template = "admin/deliveries/delivery/change_form.html"
 
+    def get_paginator(self, request, queryset, per_page, orphans=0, allow_empty_first_page=True):
+        # The History page pages the admin's LogEntry rows, which have no listing to join.
+        paginator = DeliveryLogPaginator if queryset.model is Delivery else CappedCountPaginator
+        return paginator(queryset, per_page, orphans, allow_empty_first_page)
+
     def get_search_results(self, request, queryset, search_term):
         """Exact matches on the delivery id, the event id or the entity id. Each is its
         own indexed lookup: one OR across the event join would scan the whole table."""
@@ -348,7 +357,10 @@ class DeliveryAdmin(ReadOnlyAdmin):
     def cancel_selected(self, request, queryset):
         return self._confirm(request, queryset, "cancel")
 
-    def _confirm(self, request, queryset, operation):
+    def _confirm(self, request, queryset, operation, back=""):
+        """The one rule for replaying and cancelling, from the action and the delivery
+        page's button alike: a confirmation page first, and for a replay of any event
+        type not marked replay-safe an extra confirmation. Returns None once done."""
         ids = list(queryset.values_list("id", flat=True)[:10_001])
         if len(ids) > 10_000:
             self.message_user(request, "Select at most 10,000 deliveries.", messages.ERROR)
@@ -362,7 +374,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
             )
         )
         unsafe = sorted(t for t in types if t not in safe)
-        needs_extra = operation == "replay" and len(ids) > 1 and bool(unsafe)
+        needs_extra = operation == "replay" and bool(unsafe)
         if request.POST.get("confirm") == "yes":
             if needs_extra and request.POST.get("unsafe_confirmed") != "yes":
                 self.message_user(
@@ -391,6 +403,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
             "action": f"{operation}_selected",
             "opts": self.model._meta,
             "action_checkbox_name": admin.helpers.ACTION_CHECKBOX_NAME,
+            "back": back or reverse("admin:deliveries_delivery_changelist"),
         }
         return TemplateResponse(request, "admin/deliveries/confirm_action.html", context)
 
@@ -410,25 +423,28 @@ class DeliveryAdmin(ReadOnlyAdmin):
         ]
 
     def replay_one(self, request, delivery_id):
+        """The delivery page's Replay button: the bulk action's confirmation, for one."""
+        page = reverse("admin:deliveries_delivery_change", args=[delivery_id])
+        if not self.has_view_permission(request):
+            raise PermissionDenied
         if not self.has_replay_permission(request):
             self.message_user(
                 request, "You may view deliveries but not replay them.", messages.ERROR
             )
-        elif request.method == "POST":
-            n = services.delivery_replay(
-                delivery_ids=[delivery_id], actor=request.user, via="admin"
-            )
-            self.message_user(
-                request,
-                "Delivery returned to pending: it will be sent again with the same webhook-id."
-                if n
-                else "This delivery is in flight already; nothing to replay.",
-                messages.SUCCESS if n else messages.WARNING,
-            )
-        return HttpResponseRedirect(reverse("admin:deliveries_delivery_change", args=[delivery_id]))
+            return HttpResponseRedirect(page)
+        if request.method != "POST":
+            return HttpResponseRedirect(page)
+        delivery = Delivery.objects.filter(id=delivery_id)
+        return self._confirm(request, delivery, "replay", back=page) or HttpResponseRedirect(page)
+
+    def render_change_form(self, request, context, *args, **kwargs):
+        context["has_replay_permission"] = self.has_replay_permission(request)
+        return super().render_change_form(request, context, *args, **kwargs)
 
     def dead_letters_view(self, request):
         """Dead deliveries grouped by endpoint and reason, largest groups first."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
         # Grouped on the delivery table alone, from the delivery_dead index (Count("*"),
         # not Count("id"), so PostgreSQL need not visit the rows).
         groups = list(
@@ -540,12 +556,15 @@ class EndpointAdmin(admin.ModelAdmin):
         url = reverse("admin:deliveries_delivery_changelist") + f"?endpoint={endpoint.id}"
         return format_html('<a href="{}">log</a>', url)
 
-    @admin.action(description="Enable selected endpoints")
+    def has_rotate_secret_permission(self, request):
+        return request.user.has_perm("deliveries.rotate_secret")
+
+    @admin.action(description="Enable selected endpoints", permissions=["change"])
     def enable(self, request, queryset):
         n = sum(services.endpoint_enable(endpoint=e, actor=request.user) for e in queryset)
         self.message_user(request, f"{n} endpoints enabled.", messages.SUCCESS)
 
-    @admin.action(description="Disable selected endpoints")
+    @admin.action(description="Disable selected endpoints", permissions=["change"])
     def disable(self, request, queryset):
         n = sum(
             services.endpoint_disable(endpoint=e, reason="disabled by staff", actor=request.user)
@@ -553,7 +572,10 @@ class EndpointAdmin(admin.ModelAdmin):
         )
         self.message_user(request, f"{n} endpoints disabled.", messages.SUCCESS)
 
-    @admin.action(description="Rotate the signing secret (old one signs for 24 h more)")
+    @admin.action(
+        description="Rotate the signing secret (old one signs for 24 h more)",
+        permissions=["rotate_secret"],
+    )
     def rotate_secret(self, request, queryset):
         for endpoint in queryset:
             secret = services.endpoint_rotate_secret(endpoint=endpoint, actor=request.user)
@@ -573,7 +595,10 @@ class TenantAdmin(admin.ModelAdmin):
     search_fields = ["name"]
     actions = ["create_api_key"]
 
-    @admin.action(description="Create an API key (shown once)")
+    def has_create_api_key_permission(self, request):
+        return request.user.has_perm("deliveries.create_api_key")
+
+    @admin.action(description="Create an API key (shown once)", permissions=["create_api_key"])
     def create_api_key(self, request, queryset):
         for tenant in queryset:
             _, key = services.api_key_create(tenant=tenant, name="admin", actor=request.user)
@@ -597,7 +622,7 @@ class ApiKeyAdmin(ReadOnlyAdmin):
                 key_id=obj.pk, expires_at=form.cleaned_data["expires_at"], actor=request.user
             )
 
-    @admin.action(description="Revoke selected keys")
+    @admin.action(description="Revoke selected keys", permissions=["change"])
     def revoke(self, request, queryset):
         n = services.api_keys_revoke(
             key_ids=list(queryset.values_list("id", flat=True)), actor=request.user
@@ -707,3 +732,33 @@ class OperationalEventAdmin(ReadOnlyAdmin):
     ordering = ["-first_seen_at"]
     paginator = CappedCountPaginator
     show_full_result_count = False
+
+
+# --- django-q2's tasks -----------------------------------------------------------------
+# django-q2 offers its "resubmit" action to anyone who may view a task list, and deletes
+# each failure it resubmits. Here it needs the change permission on the task's model, and
+# on failures the delete permission too.
+
+
+@admin.action(description="Resubmit selected tasks to the queue", permissions=["resubmit"])
+def resubmit_tasks(modeladmin, request, queryset):
+    return q_admin.resubmit_task(modeladmin, request, queryset)
+
+
+class SuccessAdmin(q_admin.TaskAdmin):
+    actions = [resubmit_tasks]
+
+    def has_resubmit_permission(self, request):
+        return self.has_change_permission(request)
+
+
+class FailureAdmin(q_admin.FailAdmin):
+    actions = [resubmit_tasks]
+
+    def has_resubmit_permission(self, request):
+        return self.has_change_permission(request) and self.has_delete_permission(request)
+
+
+for _model, _model_admin in [(Success, SuccessAdmin), (Failure, FailureAdmin)]:
+    admin.site.unregister(_model)
+    admin.site.register(_model, _model_admin)

@@ -58,6 +58,12 @@ class ApiKey(models.Model):
         null=True, blank=True, help_text="The key stops working at this time; empty: never."
     )
 
+    class Meta:
+        permissions = [
+            # Minting shows the key once: more than adding a row.
+            ("create_api_key", "Can create a tenant's API key and see it once"),
+        ]
+
     def __str__(self) -> str:
         return f"{self.prefix}… ({self.tenant})"
 
@@ -89,6 +95,11 @@ class Endpoint(models.Model):
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
+        permissions = [
+            # Rotating shows the new secret, with which anyone can sign deliveries the
+            # receiver accepts: more than changing the endpoint.
+            ("rotate_secret", "Can rotate an endpoint's signing secret and see the new one"),
+        ]
         indexes = [
             # publish_event: the enabled endpoints of one tenant.
             models.Index(fields=["tenant", "enabled"], name="endpoint_tenant_enabled"),

@@ -109,10 +109,27 @@ class PollSourceAdmin(admin.ModelAdmin):
     form = PollSourceForm
     list_display = ["__str__", "tenant", "enabled", "every_minutes", "cursor_at", "last_poll_at"]
     list_filter = ["enabled"]
-    readonly_fields = ["cursor_at", "last_poll_at", "last_poll_counts", "last_error"]
+    readonly_fields = [
+        "cursor_at",
+        "last_poll_at",
+        "last_poll_counts",
+        "last_error",
+        "auth_secret_set",
+    ]
 
     def has_add_permission(self, request):
         return False  # created with its inbound source by ingest.poller.poll_source_create
+
+    def get_fields(self, request, obj=None):
+        fields = super().get_fields(request, obj)  # the form's, then auth_secret_set
+        if self.has_change_permission(request, obj):
+            return fields
+        # Read-only, the page would print the stored secret: say only whether there is one.
+        return [f for f in fields if f != "auth_secret"]
+
+    @admin.display(description="auth secret")
+    def auth_secret_set(self, poll_source):
+        return "set (hidden)" if poll_source.auth_secret else "not set"
 
 
 def _eta(seconds):

@@ -49,6 +49,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Admin pages: input the database refuses gets 400, not 500 (project/admin_input.py).
+    "project.admin_input.AdminInputMiddleware",
 ]
 
 ROOT_URLCONF = "project.urls"

@@ -119,9 +119,18 @@ def test_bulk_replay_confirms_and_needs_more_for_types_not_replay_safe(data):
 
 
 def test_replay_from_the_delivery_page_is_audited(data):
+    """The Replay button follows the bulk action's rule: a confirmation page, and an
+    extra confirmation for an event type not marked replay-safe, even for one delivery."""
     client = staff("replay_delivery")
     delivery = Delivery.objects.first()
-    r = client.post(reverse("admin:deliveries_delivery_replay", args=[delivery.id]))
+    url = reverse("admin:deliveries_delivery_replay", args=[delivery.id])
+    confirm = client.post(url)
+    assert confirm.status_code == 200
+    assert b"Replay 1 delivery?" in confirm.content and b"unsafe_confirmed" in confirm.content
+    client.post(url, {"confirm": "yes"})
+    delivery.refresh_from_db()
+    assert delivery.state == "dead"  # the extra confirmation is missing
+    r = client.post(url, {"confirm": "yes", "unsafe_confirmed": "yes"})
     assert r.status_code == 302
     delivery.refresh_from_db()
     assert delivery.state == "pending"

@@ -148,12 +148,17 @@ def test_an_operator_replays_a_failed_delivery_and_sees_the_new_attempt(
         assert timeline.nth(0).locator("td.field-status_code").inner_text() == "500"
         shot(page, "04-delivery-failed-once")
 
-        # The replay form posts and redirects back to this same page.
+        # The Replay button asks first, as the bulk action does: invoice.paid is not
+        # marked replay-safe, so the extra box too; then back to this same page.
+        page.click("#replay-delivery")
+        assert page.locator("h2").first.inner_text() == "Replay 1 delivery?"
+        shot(page, "05-confirm-the-replay")
+        page.check("#unsafe-confirmed")
         with page.expect_navigation(url=detail):
-            page.click("#replay-delivery")
-        assert "Delivery returned to pending" in page.locator(".messagelist").inner_text()
+            page.click("#confirm-replay")
+        assert "1 of 1 deliveries returned to pending" in page.locator(".messagelist").inner_text()
         assert where.inner_text().startswith("Due since")
-        shot(page, "05-replayed")
+        shot(page, "06-replayed")
 
         drain_in_a_thread()
         page.reload()
@@ -165,7 +170,7 @@ def test_an_operator_replays_a_failed_delivery_and_sees_the_new_attempt(
             "200",
         ]
         assert timeline.nth(1).locator("td.field-outcome").inner_text() == "Success"
-        shot(page, "06-new-attempt-in-the-timeline")
+        shot(page, "07-new-attempt-in-the-timeline")
 
     # The browser's view matches the database, the replay is audited under the operator's
     # name, and the receiver saw one webhook-id twice.
