@@ -11,6 +11,7 @@ from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
+from . import encryption
 from .egress import ErrorKind
 from .ids import uuid7
 from .timezones import validate_time_zone
@@ -105,14 +106,35 @@ class EndpointSecret(models.Model):
     """A signing secret (``whsec_`` + base64). Several can be active during a rotation:
     the old one keeps signing until ``expires_at``, so receivers can switch over."""
 
+    # Read and written as ``secret`` (below), which encrypts: the database holds a token.
+    encrypted_secret_fields = (("secret_encrypted", "legacy_plaintext"),)
+
     id = models.BigAutoField(primary_key=True)
     endpoint = models.ForeignKey(Endpoint, on_delete=models.CASCADE, related_name="secrets")
-    secret = models.CharField(max_length=200)
+    # A Fernet token under SECRETS_ENCRYPTION_KEYS (deliveries/encryption.py). Null only on
+    # a row a release before encryption wrote, until it is encrypted (migration 0018 and
+    # rotate_encryption_keys encrypt such rows).
+    secret_encrypted = models.TextField(null=True, blank=True)  # noqa: DJ001
+    # The column the secret used to be kept in, in plain text: blanked by migration 0018
+    # and never written since. Kept only so that a previous release can still insert;
+    # a later release drops it (docs/compatibility.md, "Secrets at rest").
+    legacy_plaintext = models.CharField(max_length=200, blank=True, default="", db_column="secret")
     created_at = models.DateTimeField(auto_now_add=True)
     expires_at = models.DateTimeField(null=True, blank=True)
 
     def __str__(self) -> str:
         return f"secret {self.id} of {self.endpoint_id}"
+
+    @property
+    def secret(self) -> str:
+        return encryption.reveal(
+            self.secret_encrypted, self.legacy_plaintext, row=f"endpoint secret {self.pk}"
+        )
+
+    @secret.setter
+    def secret(self, value: str) -> None:
+        self.secret_encrypted = encryption.encrypt(value)
+        self.legacy_plaintext = ""
 
 
 class EndpointThrottle(models.Model):

@@ -17,7 +17,7 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from . import state, tracing, wakeup
+from . import encryption, state, tracing, wakeup
 from .ids import UUID7_SQL, uuid7
 from .models import ApiKey, AuditEntry, Delivery, Endpoint, EndpointSecret, Event, Tenant
 from .signing import generate_secret
@@ -362,7 +362,8 @@ def endpoint_rotate_secret(
 def active_secrets(
     endpoint_ids: Iterable[uuid.UUID], *, now: datetime
 ) -> dict[uuid.UUID, list[str]]:
-    """Signing secrets by endpoint, newest first, leaving out expired ones.
+    """Signing secrets by endpoint, newest first, leaving out expired ones (and, logged,
+    any that no configured key decrypts: deliveries.encryption.reveal_or_skip).
 
     Workers ask for every batch they lease, so on PostgreSQL it is one prepared
     statement (the ORM's compilation cost more than the query)."""
@@ -376,15 +377,18 @@ def active_secrets(
             EndpointSecret.objects.filter(endpoint_id__in=list(endpoint_ids))
             .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
             .order_by("-created_at")
-            .values_list("endpoint_id", "secret")
+            .values_list("id", "endpoint_id", "secret_encrypted", "legacy_plaintext")
         )
-    for endpoint_id, secret in rows:
-        found.setdefault(endpoint_id, []).append(secret)
+    for secret_id, endpoint_id, token, legacy in rows:
+        secret = encryption.reveal_or_skip(token, legacy, row=f"endpoint secret {secret_id}")
+        if secret is not None:
+            found.setdefault(endpoint_id, []).append(secret)
     return found
 
 
+# "secret" is the legacy plain-text column (EndpointSecret.legacy_plaintext).
 _ACTIVE_SECRETS_SQL = """
-SELECT endpoint_id, secret FROM deliveries_endpointsecret
+SELECT id, endpoint_id, secret_encrypted, secret FROM deliveries_endpointsecret
 WHERE endpoint_id = ANY(%b::uuid[]) AND (expires_at IS NULL OR expires_at > %s)
 ORDER BY created_at DESC
 """
