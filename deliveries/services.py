@@ -19,7 +19,16 @@ from django.utils import timezone
 
 from . import encryption, state, tracing, wakeup
 from .ids import UUID7_SQL, uuid7
-from .models import ApiKey, AuditEntry, Delivery, Endpoint, EndpointSecret, Event, Tenant
+from .models import (
+    ApiKey,
+    AuditEntry,
+    Delivery,
+    EgressAllowance,
+    Endpoint,
+    EndpointSecret,
+    Event,
+    Tenant,
+)
 from .signing import generate_secret
 from .sql import bound_cursor
 from .timezones import validate_time_zone
@@ -463,6 +472,59 @@ def endpoint_disable(*, endpoint: Endpoint, reason: str, actor=None) -> bool:
 
 
 # --- Deliveries ----------------------------------------------------------------------
+
+
+# --- Egress allowances ---------------------------------------------------------------
+
+
+def egress_allowance_save(*, allowance: EgressAllowance, actor=None) -> EgressAllowance:
+    """Open a network for a tenant (or one of its endpoints), or change one, audited.
+    Validated here whoever calls (ValidationError): a CIDR, and an endpoint of that
+    tenant."""
+    allowance.full_clean()
+    creating = allowance.pk is None
+    if creating and getattr(actor, "is_authenticated", False):
+        allowance.created_by = actor
+    with transaction.atomic():
+        allowance.save()
+        audit(
+            actor=actor,
+            action="egress_allowance.create" if creating else "egress_allowance.change",
+            target="egress_allowance",
+            count=1,
+            allowance=allowance.pk,
+            tenant=str(allowance.tenant_id),
+            endpoint=str(allowance.endpoint_id) if allowance.endpoint_id else None,
+            network=allowance.network,
+        )
+    return allowance
+
+
+def egress_allowances_delete(*, allowance_ids: Iterable[int], actor=None) -> int:
+    """Close networks again, audited with what each one was."""
+    with transaction.atomic():
+        rows = list(
+            EgressAllowance.objects.filter(pk__in=list(allowance_ids)).values(
+                "id", "tenant_id", "endpoint_id", "network"
+            )
+        )
+        EgressAllowance.objects.filter(pk__in=[row["id"] for row in rows]).delete()
+        audit(
+            actor=actor,
+            action="egress_allowance.delete",
+            target="egress_allowance",
+            count=len(rows),
+            allowances=[
+                {
+                    "id": row["id"],
+                    "tenant": str(row["tenant_id"]),
+                    "endpoint": str(row["endpoint_id"]) if row["endpoint_id"] else None,
+                    "network": row["network"],
+                }
+                for row in rows
+            ],
+        )
+    return len(rows)
 
 
 def audit(*, actor, action: str, target: str, count: int, **details: Any) -> AuditEntry:
