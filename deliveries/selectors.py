@@ -1,6 +1,7 @@
 """Reads: queries and explanations, no writes."""
 
 import ipaddress
+import logging
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ from .egress import EgressPolicy, IPNetwork
 from .models import Delivery, DeliveryState, EgressAllowance, LoopRun, Outbox
 from .sql import bound_cursor
 from .state import message_key
+
+logger = logging.getLogger("deliveries.selectors")
 
 # A loop whose heartbeat is older than this is taken as not running.
 LOOP_STALE_AFTER = timedelta(seconds=60)
@@ -139,8 +142,8 @@ def delivery_explain(delivery: Delivery, *, now: datetime | None = None) -> Expl
 
 
 def allowed_networks(
-    targets: Iterable[tuple[uuid.UUID, uuid.UUID | None]],
-) -> dict[tuple[uuid.UUID, uuid.UUID | None], tuple[IPNetwork, ...]]:
+    targets: Iterable[tuple[uuid.UUID | None, uuid.UUID | None]],
+) -> dict[tuple[uuid.UUID | None, uuid.UUID | None], tuple[IPNetwork, ...]]:
     """The networks staff opened for each (tenant id, endpoint id or None) target: the
     tenant's allowances for all its endpoints, plus the endpoint's own. Never another
     tenant's: an endpoint allowance counts only when its tenant is the target's too.
@@ -156,18 +159,31 @@ def allowed_networks(
     if not by_tenant:
         return {}
     found: dict = {target: set() for group in by_tenant.values() for target in group}
-    if connection.vendor == "postgresql":
+    tenant_ids = [t for t in by_tenant if t is not None]  # None: the operator's own
+    if not tenant_ids:
+        rows = []
+    elif connection.vendor == "postgresql":
         with bound_cursor() as cursor:
-            cursor.execute(_TENANT_ALLOWANCES_SQL, [list(by_tenant)])
+            cursor.execute(_TENANT_ALLOWANCES_SQL, [tenant_ids])
             rows = cursor.fetchall()
     else:
-        rows = EgressAllowance.objects.filter(tenant_id__in=by_tenant).values_list(
+        rows = EgressAllowance.objects.filter(tenant_id__in=tenant_ids).values_list(
             "tenant_id", "endpoint_id", "network"
         )
     for tenant_id, endpoint_id, network in rows:
+        try:
+            parsed = ipaddress.ip_network(network.strip())
+        except ValueError:
+            # Only a row written past the model's validation; it opens nothing, and a
+            # worker's batch goes on without it.
+            logger.error(
+                "egress allowance is not a network",
+                extra={"action": "egress.bad_allowance", "tenant_id": str(tenant_id)},
+            )
+            continue
         for target in by_tenant[tenant_id]:
             if endpoint_id in (None, target[1]):
-                found[target].add(ipaddress.ip_network(network))
+                found[target].add(parsed)
     return {
         target: tuple(sorted(networks, key=lambda n: (n.version, n)))
         for target, networks in found.items()

@@ -28,9 +28,9 @@ class EndpointInput(serializers.Serializer):
     def validate_url(self, url: str) -> str:
         # The networks open to the caller's tenant (and to the endpoint being changed)
         # count, as they will when the worker sends: context "tenant" and "endpoint".
-        endpoint = self.context.get("endpoint")
+        tenant, endpoint = self.context.get("tenant"), self.context.get("endpoint")
         policy = egress_policy_for(
-            tenant_id=self.context["tenant"].id, endpoint_id=endpoint.id if endpoint else None
+            tenant_id=tenant.id if tenant else None, endpoint_id=endpoint.id if endpoint else None
         )
         try:
             policy.check_url(url)

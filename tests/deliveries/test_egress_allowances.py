@@ -88,9 +88,11 @@ def test_an_allowance_cannot_name_another_tenants_endpoint(receiver):
     from deliveries.selectors import allowed_networks
 
     EgressAllowance.objects.create(tenant=alice, endpoint=bobs, network="127.0.0.0/8")
-    assert allowed_networks([(bob.id, bobs.id), (alice.id, None)]) == {
+    EgressAllowance.objects.create(tenant=bob, network="not-a-network")  # opens nothing
+    assert allowed_networks([(bob.id, bobs.id), (alice.id, None), (None, None)]) == {
         (bob.id, bobs.id): (),
         (alice.id, None): (),
+        (None, None): (),
     }
 
 
