@@ -188,11 +188,12 @@ def record_steps(leased: list, token, rows: list):
 
 def endpoint_steps(endpoint_id):
     """The endpoint's URL and active secrets (the service's statement), once per process."""
-    from deliveries import services
+    from deliveries import encryption, services
 
     url = yield ("query", "SELECT url FROM deliveries_endpoint WHERE id = %s", [endpoint_id])
     secrets = yield ("query", services._ACTIVE_SECRETS_SQL, [[endpoint_id], now()])
-    return url[0][0], [r[1] for r in secrets]
+    # (id, endpoint_id, token, legacy plain text): decrypted, as the service does.
+    return url[0][0], [encryption.reveal(r[2], r[3]) for r in secrets]
 
 
 async def run_async(conn, steps):

@@ -203,21 +203,14 @@ def prepare_database(db: Database, env: dict) -> None:
     if done.returncode != 0:
         raise BenchError(f"migrate failed:\n{done.stdout}\n{done.stderr}")
     db.truncate()
-    found = db.rows(
-        "SELECT s.scheme, s.enabled, s.rate_limit, array_agg(ss.secret) FROM ingest_source s "
-        "LEFT JOIN ingest_sourcesecret ss ON ss.source_id = s.id WHERE s.slug = %s "
-        "GROUP BY s.id",
+    # Made afresh every run: its secret is stored encrypted, so what a previous run (or
+    # someone by hand) left cannot be compared with ours here.
+    db.rows(
+        "DELETE FROM ingest_sourcesecret WHERE source_id IN "
+        "(SELECT id FROM ingest_source WHERE slug = %s)",
         [SLUG],
     )
-    if found == [("stripe", True, None, [SECRET])]:
-        return
-    if found:  # left by an older version of this benchmark, or by hand: start over
-        db.rows(
-            "DELETE FROM ingest_sourcesecret WHERE source_id IN "
-            "(SELECT id FROM ingest_source WHERE slug = %s)",
-            [SLUG],
-        )
-        db.rows("DELETE FROM ingest_source WHERE slug = %s", [SLUG])
+    db.rows("DELETE FROM ingest_source WHERE slug = %s", [SLUG])
     done = manage(env, "create_source", SLUG, "--scheme", "stripe", "--secret", SECRET)
     if done.returncode != 0:
         raise BenchError(f"create_source failed:\n{done.stdout}\n{done.stderr}")

@@ -29,6 +29,7 @@ from .models import (
     AuditEntry,
     Delivery,
     DeliveryState,
+    EgressAllowance,
     Endpoint,
     Event,
     EventType,
@@ -605,6 +606,30 @@ class TenantAdmin(admin.ModelAdmin):
             self.message_user(
                 request, f"API key for {tenant.name} (shown once): {key}", messages.WARNING
             )
+
+
+@admin.register(EgressAllowance)
+class EgressAllowanceAdmin(admin.ModelAdmin):
+    """Networks opened for one tenant (or endpoint) past the egress guard. Adding,
+    changing and deleting need their own model permissions, and each is audited."""
+
+    list_display = ["network", "tenant", "endpoint", "note", "created_by", "created_at"]
+    list_filter = [TenantFilter]
+    search_fields = ["network", "note", "tenant__name"]
+    list_select_related = ["tenant", "endpoint", "created_by"]
+    raw_id_fields = ["endpoint"]
+    readonly_fields = ["created_by", "created_at"]
+
+    def save_model(self, request, obj, form, change):
+        services.egress_allowance_save(allowance=obj, actor=request.user)
+
+    def delete_model(self, request, obj):
+        services.egress_allowances_delete(allowance_ids=[obj.pk], actor=request.user)
+
+    def delete_queryset(self, request, queryset):
+        services.egress_allowances_delete(
+            allowance_ids=list(queryset.values_list("pk", flat=True)), actor=request.user
+        )
 
 
 @admin.register(ApiKey)

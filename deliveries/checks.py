@@ -68,6 +68,47 @@ def check_delivery_settings(app_configs, **kwargs):
     return errors
 
 
+@register(Tags.security)
+def check_encryption_keys(app_configs, **kwargs):
+    """Every SECRETS_ENCRYPTION_KEYS entry must be a Fernet key: a bad one would fail
+    the first secret read or written, not the start."""
+    from .encryption import FROM_SECRET_KEY, key_problem
+
+    errors = []
+    for position, key in enumerate(settings.SECRETS_ENCRYPTION_KEYS, start=1):
+        problem = None if str(key).strip() == FROM_SECRET_KEY else key_problem(str(key).strip())
+        if problem:
+            errors.append(
+                Error(
+                    f"SECRETS_ENCRYPTION_KEYS: key {position} is not a Fernet key ({problem}).",
+                    hint="Make one with: python -c 'from cryptography.fernet import Fernet; "
+                    "print(Fernet.generate_key().decode())'",
+                    id="deliveries.E030",
+                )
+            )
+    return errors
+
+
+@register(Tags.security, deploy=True)
+def check_encryption_keys_set(app_configs, **kwargs):
+    """Without SECRETS_ENCRYPTION_KEYS the stored secrets are encrypted under a key
+    derived from SECRET_KEY: they are then only as safe as SECRET_KEY, and rotating
+    SECRET_KEY would make every one of them unreadable."""
+    from .encryption import encrypts_under_derived_key
+
+    if not encrypts_under_derived_key():
+        return []
+    return [
+        Warning(
+            "SECRETS_ENCRYPTION_KEYS has no key of its own first: stored secrets are "
+            "encrypted under a key derived from SECRET_KEY, and changing SECRET_KEY would "
+            "make them unreadable.",
+            hint='Set SECRETS_ENCRYPTION_KEYS (docs/operations.md, "Encryption keys").',
+            id="deliveries.W030",
+        )
+    ]
+
+
 @register(Tags.database)
 def check_database_server(app_configs, databases=None, **kwargs):
     """``manage.py check --database default`` (and ``migrate``): the server settings the

@@ -27,6 +27,10 @@ Every request the service makes to a URL a tenant gave us goes through
   cookies into the next tenant's deliveries.
 * The response body is read up to ``max_response_bytes`` and the connection is
   then closed rather than drained, so a receiver cannot make us download 1 GiB.
+* ``EGRESS_ALLOW_NETWORKS`` admits its networks for every request: it is for the
+  operator's own receivers. A network opened for one tenant (or one endpoint) is an
+  ``EgressAllowance`` row, passed by the caller with that tenant's requests only
+  (``allow_networks``), and served by a connection pool of its own.
 """
 
 from __future__ import annotations
@@ -191,6 +195,12 @@ class EgressPolicy:
                     f"EGRESS_ALLOW_NETWORKS: {item!r} is not a CIDR network ({exc})"
                 ) from exc
         return cls(allow_networks=tuple(networks))
+
+    def widened(self, networks: tuple[IPNetwork, ...]) -> EgressPolicy:
+        """This policy with ``networks`` admitted too (a tenant's egress allowances)."""
+        if not networks:
+            return self
+        return EgressPolicy(allow_networks=self.allow_networks + tuple(networks))
 
     def refusal(self, ip: IPAddress) -> str | None:
         """Return why ``ip`` must not be contacted, or None if it may be.
@@ -536,6 +546,21 @@ def _invalid_header(name: object) -> EgressError:
     return EgressError(ErrorKind.INVALID_URL, f"request header {name!r} is not a valid HTTP header")
 
 
+class _Pool:
+    """What one policy owns inside a session: its aiohttp session (so its connection
+    pool and its DNS cache) and its URL verdicts. A connection or a cached answer that
+    one policy admitted is never reused under another: a tenant's allowance cannot
+    carry over to another tenant's requests through keep-alive or the DNS cache."""
+
+    __slots__ = ("checked_url", "client", "policy")
+
+    def __init__(self, policy: EgressPolicy) -> None:
+        self.policy = policy
+        # lru_cache remembers only returns, never raises: a refused URL is not cached.
+        self.checked_url = functools.lru_cache(maxsize=_URL_VERDICT_CACHE_SIZE)(policy._checked_url)
+        self.client: aiohttp.ClientSession | None = None
+
+
 class EgressSession:
     """Async; one per worker process; keep-alive connection pool.
 
@@ -544,9 +569,15 @@ class EgressSession:
     resolver that the policy check wraps (tests inject stubs to simulate DNS
     rebinding); by default aiohttp's ThreadedResolver.
 
-    The policy is fixed for the session's life, so the verdict on a URL string is
-    too: accepted URLs are remembered (bounded LRU) and not parsed again. Refused
-    ones are not remembered; they are judged afresh each time.
+    A request may pass ``allow_networks``: the networks staff opened for its tenant or
+    endpoint (``selectors.allowed_networks``), admitted on top of the session's policy
+    for that request only. Each distinct set gets a pool of its own (:class:`_Pool`),
+    made on first use and kept for the session's life; the sets are staff-made, so they
+    are few. A request without one uses the session's policy alone.
+
+    A pool's policy is fixed, so the verdict on a URL string is too: accepted URLs
+    are remembered (bounded LRU) and not parsed again. Refused ones are not
+    remembered; they are judged afresh each time.
     """
 
     def __init__(
@@ -574,16 +605,13 @@ class EgressSession:
         self._pool_size_per_host = pool_size_per_host
         self._inner_resolver = resolver
         self._owns_resolver = resolver is None
-        self._session: aiohttp.ClientSession | None = None
         self._closed = False
-        # lru_cache remembers only returns, never raises: a refused URL is not cached.
-        self._checked_url = functools.lru_cache(maxsize=_URL_VERDICT_CACHE_SIZE)(
-            self._policy._checked_url
-        )
+        # By the networks a request adds; () is the session's policy alone.
+        self._pools: dict[tuple[IPNetwork, ...], _Pool] = {(): _Pool(self._policy)}
         self._client_timeouts: dict[float, aiohttp.ClientTimeout] = {}
 
     async def __aenter__(self) -> EgressSession:
-        self._ensure_session()
+        self._ensure_session(self._pools[()])
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -591,47 +619,77 @@ class EgressSession:
 
     async def close(self) -> None:
         self._closed = True
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for pool in self._pools.values():
+            if pool.client is not None:
+                await pool.client.close()
+                pool.client = None
         if self._owns_resolver and self._inner_resolver is not None:
             await self._inner_resolver.close()
             self._inner_resolver = None
 
     async def post(
-        self, url: str, *, body: bytes, headers: Mapping[str, str], timeout: float
+        self,
+        url: str,
+        *,
+        body: bytes,
+        headers: Mapping[str, str],
+        timeout: float,
+        allow_networks: tuple[IPNetwork, ...] = (),
     ) -> EgressResponse:
         """POST ``body``; return any HTTP response (3xx included) or raise EgressError.
 
         A URL or header that cannot be sent is INVALID_URL; nothing reaches the network.
+        ``allow_networks`` widens the policy for this request (the class docstring).
         """
-        return await self._request("POST", url, body=body, headers=headers, timeout=timeout)
+        return await self._request(
+            "POST",
+            url,
+            body=body,
+            headers=headers,
+            timeout=timeout,
+            pool=self._pool(allow_networks),
+        )
 
-    async def get(self, url: str, *, headers: Mapping[str, str], timeout: float) -> EgressResponse:
+    async def get(
+        self,
+        url: str,
+        *,
+        headers: Mapping[str, str],
+        timeout: float,
+        allow_networks: tuple[IPNetwork, ...] = (),
+    ) -> EgressResponse:
         """GET under the same rules as :meth:`post`."""
-        return await self._request("GET", url, body=None, headers=headers, timeout=timeout)
+        return await self._request(
+            "GET", url, body=None, headers=headers, timeout=timeout, pool=self._pool(allow_networks)
+        )
 
-    def _ensure_session(self) -> aiohttp.ClientSession:
+    def _pool(self, allow_networks: tuple[IPNetwork, ...]) -> _Pool:
+        pool = self._pools.get(allow_networks)
+        if pool is None:
+            pool = self._pools[allow_networks] = _Pool(self._policy.widened(allow_networks))
+        return pool
+
+    def _ensure_session(self, pool: _Pool) -> aiohttp.ClientSession:
         # Created lazily because aiohttp binds connectors to the running loop.
         if self._closed:
             raise RuntimeError("EgressSession is closed")
-        if self._session is None:
+        if pool.client is None:
             if self._inner_resolver is None:
                 self._inner_resolver = aiohttp.ThreadedResolver()
             connector = _AttemptMarkingConnector(
                 limit=self._pool_size,
                 limit_per_host=self._pool_size_per_host,
                 ttl_dns_cache=_DNS_CACHE_TTL_SECONDS,
-                resolver=_PolicyResolver(self._inner_resolver, self._policy),
-                socket_factory=_policy_socket_factory(self._policy),
+                resolver=_PolicyResolver(self._inner_resolver, pool.policy),
+                socket_factory=_policy_socket_factory(pool.policy),
                 ssl=True,
             )
-            self._session = aiohttp.ClientSession(
+            pool.client = aiohttp.ClientSession(
                 connector=connector,
                 cookie_jar=aiohttp.DummyCookieJar(),
                 trust_env=False,
             )
-        return self._session
+        return pool.client
 
     def _client_timeout(self, timeout: float) -> aiohttp.ClientTimeout:
         """The (immutable, so shareable) ClientTimeout for a total of ``timeout`` seconds."""
@@ -653,18 +711,19 @@ class EgressSession:
         body: bytes | None,
         headers: Mapping[str, str],
         timeout: float,
+        pool: _Pool,
     ) -> EgressResponse:
         if not timeout > 0:  # written so that NaN is refused too
             raise ValueError("timeout must be positive")
         started = time.perf_counter()
         try:
-            target = self._checked_url(url)
+            target = pool.checked_url(url)
             request_headers = _headers_to_send(headers)
         except EgressError as exc:
             exc.elapsed_ms = (time.perf_counter() - started) * 1000
             raise
 
-        session = self._ensure_session()
+        session = self._ensure_session(pool)
         attempt = _Attempt()
         attempt_token = _current_attempt.set(attempt)
         try:

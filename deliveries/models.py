@@ -5,12 +5,16 @@ is an append-only ``Attempt`` row. State changes never go through ``save()``: th
 guarded UPDATEs in ``deliveries/state.py``, the one module that owns the state machine.
 """
 
+import contextlib
+import ipaddress
 import uuid
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.db.models import Q
 
+from . import encryption
 from .egress import ErrorKind
 from .ids import uuid7
 from .timezones import validate_time_zone
@@ -116,14 +120,94 @@ class EndpointSecret(models.Model):
     """A signing secret (``whsec_`` + base64). Several can be active during a rotation:
     the old one keeps signing until ``expires_at``, so receivers can switch over."""
 
+    # Read and written as ``secret`` (below), which encrypts: the database holds a token.
+    encrypted_secret_fields = (("secret_encrypted", "legacy_plaintext"),)
+
     id = models.BigAutoField(primary_key=True)
     endpoint = models.ForeignKey(Endpoint, on_delete=models.CASCADE, related_name="secrets")
-    secret = models.CharField(max_length=200)
+    # A Fernet token under SECRETS_ENCRYPTION_KEYS (deliveries/encryption.py). Null only on
+    # a row a release before encryption wrote, until it is encrypted (migration 0018 and
+    # rotate_encryption_keys encrypt such rows).
+    secret_encrypted = models.TextField(null=True, blank=True)  # noqa: DJ001
+    # The column the secret used to be kept in, in plain text: blanked by migration 0018
+    # and never written since. Kept only so that a previous release can still insert;
+    # a later release drops it (docs/compatibility.md, "Secrets at rest").
+    legacy_plaintext = models.CharField(max_length=200, blank=True, default="", db_column="secret")
     created_at = models.DateTimeField(auto_now_add=True)
     expires_at = models.DateTimeField(null=True, blank=True)
 
     def __str__(self) -> str:
         return f"secret {self.id} of {self.endpoint_id}"
+
+    @property
+    def secret(self) -> str:
+        return encryption.reveal(
+            self.secret_encrypted, self.legacy_plaintext, row=f"endpoint secret {self.pk}"
+        )
+
+    @secret.setter
+    def secret(self, value: str) -> None:
+        self.secret_encrypted = encryption.encrypt(value)
+        self.legacy_plaintext = ""
+
+
+def validate_network(value: str) -> None:
+    """A CIDR network with no host bits set (``10.20.0.0/16``, ``fd12::/16``)."""
+    try:
+        ipaddress.ip_network(value.strip())
+    except ValueError as exc:
+        raise ValidationError(f"{value!r} is not a CIDR network ({exc}).") from None
+
+
+class EgressAllowance(models.Model):
+    """A network staff opened for one tenant's endpoints, or for one endpoint, although
+    the egress guard refuses it by default (a receiver inside the operator's network).
+
+    The worker admits it for that tenant's (endpoint's) deliveries only, on top of
+    EGRESS_ALLOW_NETWORKS, which opens a network for every tenant and so is for the
+    operator's own receivers. Metadata and link-local addresses stay refused whatever
+    it says (deliveries/egress.py)."""
+
+    id = models.BigAutoField(primary_key=True)
+    # Indexed (the foreign key's index): the worker reads a batch's tenants' rows.
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="egress_allowances")
+    endpoint = models.ForeignKey(
+        Endpoint,
+        null=True,
+        blank=True,
+        on_delete=models.CASCADE,
+        related_name="egress_allowances",
+        help_text="Empty: every endpoint of the tenant.",
+    )
+    network = models.CharField(
+        max_length=50,
+        validators=[validate_network],
+        help_text="CIDR, e.g. 10.20.0.0/16 or fd12:3456::/48.",
+    )
+    note = models.CharField(max_length=500, blank=True, help_text="Why, and who asked.")
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        editable=False,
+        on_delete=models.SET_NULL,
+        related_name="+",
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"{self.network} for {self.endpoint or self.tenant}"
+
+    def clean(self) -> None:
+        if self.network:
+            with contextlib.suppress(ValueError):  # the field's validator says why
+                self.network = str(ipaddress.ip_network(self.network.strip()))
+        if (
+            self.endpoint_id is not None
+            and self.tenant_id is not None
+            and (self.endpoint.tenant_id != self.tenant_id)
+        ):
+            raise ValidationError({"endpoint": "This endpoint belongs to another tenant."})
 
 
 class EndpointThrottle(models.Model):

@@ -1,13 +1,22 @@
 """Reads: queries and explanations, no writes."""
 
+import ipaddress
+import logging
+import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
+from django.db import connection
 from django.utils import timezone
 
-from .models import Delivery, DeliveryState, LoopRun, Outbox
+from .egress import EgressPolicy, IPNetwork
+from .models import Delivery, DeliveryState, EgressAllowance, LoopRun, Outbox
+from .sql import bound_cursor
 from .state import message_key
+
+logger = logging.getLogger("deliveries.selectors")
 
 # A loop whose heartbeat is older than this is taken as not running.
 LOOP_STALE_AFTER = timedelta(seconds=60)
@@ -127,3 +136,72 @@ def delivery_explain(delivery: Delivery, *, now: datetime | None = None) -> Expl
         + ". Replay sends it again with the same webhook-id.",
         details,
     )
+
+
+# --- Egress allowances -----------------------------------------------------------------
+
+
+def allowed_networks(
+    targets: Iterable[tuple[uuid.UUID | None, uuid.UUID | None]],
+) -> dict[tuple[uuid.UUID | None, uuid.UUID | None], tuple[IPNetwork, ...]]:
+    """The networks staff opened for each (tenant id, endpoint id or None) target: the
+    tenant's allowances for all its endpoints, plus the endpoint's own. Never another
+    tenant's: an endpoint allowance counts only when its tenant is the target's too.
+
+    One query for all the targets (a worker's batch): the targets' tenants' rows, by
+    the tenant index, matched to endpoints here (a tenant has a few rows at most). On
+    PostgreSQL the tenant ids travel as one array parameter (deliveries.sql): the ORM's
+    IN list of a 200-target batch cost 3.5 ms. Each tuple is sorted, so the same set is
+    the same tuple (``EgressSession`` keys its pools by it)."""
+    by_tenant: dict = {}
+    for target in set(targets):
+        by_tenant.setdefault(target[0], []).append(target)
+    if not by_tenant:
+        return {}
+    found: dict = {target: set() for group in by_tenant.values() for target in group}
+    tenant_ids = [t for t in by_tenant if t is not None]  # None: the operator's own
+    if not tenant_ids:
+        rows = []
+    elif connection.vendor == "postgresql":
+        with bound_cursor() as cursor:
+            cursor.execute(_TENANT_ALLOWANCES_SQL, [tenant_ids])
+            rows = cursor.fetchall()
+    else:
+        rows = EgressAllowance.objects.filter(tenant_id__in=tenant_ids).values_list(
+            "tenant_id", "endpoint_id", "network"
+        )
+    for tenant_id, endpoint_id, network in rows:
+        try:
+            parsed = ipaddress.ip_network(network.strip())
+        except ValueError:
+            # Only a row written past the model's validation; it opens nothing, and a
+            # worker's batch goes on without it.
+            logger.error(
+                "egress allowance is not a network",
+                extra={"action": "egress.bad_allowance", "tenant_id": str(tenant_id)},
+            )
+            continue
+        for target in by_tenant[tenant_id]:
+            if endpoint_id in (None, target[1]):
+                found[target].add(parsed)
+    return {
+        target: tuple(sorted(networks, key=lambda n: (n.version, n)))
+        for target, networks in found.items()
+    }
+
+
+_TENANT_ALLOWANCES_SQL = """
+SELECT tenant_id, endpoint_id, network FROM deliveries_egressallowance
+WHERE tenant_id = ANY(%b::uuid[])
+"""
+
+
+def egress_policy_for(
+    *, tenant_id: uuid.UUID | None, endpoint_id: uuid.UUID | None = None
+) -> EgressPolicy:
+    """The egress policy of one tenant's (endpoint's) requests: EGRESS_ALLOW_NETWORKS and
+    what staff opened for it (no tenant: EGRESS_ALLOW_NETWORKS alone). For an endpoint's
+    URL at creation or change and a poll source's requests; the worker asks for a whole
+    batch at once (``allowed_networks``)."""
+    extra = allowed_networks([(tenant_id, endpoint_id)])[(tenant_id, endpoint_id)]
+    return EgressPolicy.from_settings().widened(extra)

@@ -17,9 +17,18 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from . import state, tracing, wakeup
+from . import encryption, state, tracing, wakeup
 from .ids import UUID7_SQL, uuid7
-from .models import ApiKey, AuditEntry, Delivery, Endpoint, EndpointSecret, Event, Tenant
+from .models import (
+    ApiKey,
+    AuditEntry,
+    Delivery,
+    EgressAllowance,
+    Endpoint,
+    EndpointSecret,
+    Event,
+    Tenant,
+)
 from .signing import generate_secret
 from .sql import bound_cursor
 from .timezones import validate_time_zone
@@ -362,7 +371,8 @@ def endpoint_rotate_secret(
 def active_secrets(
     endpoint_ids: Iterable[uuid.UUID], *, now: datetime
 ) -> dict[uuid.UUID, list[str]]:
-    """Signing secrets by endpoint, newest first, leaving out expired ones.
+    """Signing secrets by endpoint, newest first, leaving out expired ones (and, logged,
+    any that no configured key decrypts: deliveries.encryption.reveal_or_skip).
 
     Workers ask for every batch they lease, so on PostgreSQL it is one prepared
     statement (the ORM's compilation cost more than the query)."""
@@ -376,15 +386,18 @@ def active_secrets(
             EndpointSecret.objects.filter(endpoint_id__in=list(endpoint_ids))
             .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
             .order_by("-created_at")
-            .values_list("endpoint_id", "secret")
+            .values_list("id", "endpoint_id", "secret_encrypted", "legacy_plaintext")
         )
-    for endpoint_id, secret in rows:
-        found.setdefault(endpoint_id, []).append(secret)
+    for secret_id, endpoint_id, token, legacy in rows:
+        secret = encryption.reveal_or_skip(token, legacy, row=f"endpoint secret {secret_id}")
+        if secret is not None:
+            found.setdefault(endpoint_id, []).append(secret)
     return found
 
 
+# "secret" is the legacy plain-text column (EndpointSecret.legacy_plaintext).
 _ACTIVE_SECRETS_SQL = """
-SELECT endpoint_id, secret FROM deliveries_endpointsecret
+SELECT id, endpoint_id, secret_encrypted, secret FROM deliveries_endpointsecret
 WHERE endpoint_id = ANY(%b::uuid[]) AND (expires_at IS NULL OR expires_at > %s)
 ORDER BY created_at DESC
 """
@@ -459,6 +472,59 @@ def endpoint_disable(*, endpoint: Endpoint, reason: str, actor=None) -> bool:
 
 
 # --- Deliveries ----------------------------------------------------------------------
+
+
+# --- Egress allowances ---------------------------------------------------------------
+
+
+def egress_allowance_save(*, allowance: EgressAllowance, actor=None) -> EgressAllowance:
+    """Open a network for a tenant (or one of its endpoints), or change one, audited.
+    Validated here whoever calls (ValidationError): a CIDR, and an endpoint of that
+    tenant."""
+    allowance.full_clean()
+    creating = allowance.pk is None
+    if creating and getattr(actor, "is_authenticated", False):
+        allowance.created_by = actor
+    with transaction.atomic():
+        allowance.save()
+        audit(
+            actor=actor,
+            action="egress_allowance.create" if creating else "egress_allowance.change",
+            target="egress_allowance",
+            count=1,
+            allowance=allowance.pk,
+            tenant=str(allowance.tenant_id),
+            endpoint=str(allowance.endpoint_id) if allowance.endpoint_id else None,
+            network=allowance.network,
+        )
+    return allowance
+
+
+def egress_allowances_delete(*, allowance_ids: Iterable[int], actor=None) -> int:
+    """Close networks again, audited with what each one was."""
+    with transaction.atomic():
+        rows = list(
+            EgressAllowance.objects.filter(pk__in=list(allowance_ids)).values(
+                "id", "tenant_id", "endpoint_id", "network"
+            )
+        )
+        EgressAllowance.objects.filter(pk__in=[row["id"] for row in rows]).delete()
+        audit(
+            actor=actor,
+            action="egress_allowance.delete",
+            target="egress_allowance",
+            count=len(rows),
+            allowances=[
+                {
+                    "id": row["id"],
+                    "tenant": str(row["tenant_id"]),
+                    "endpoint": str(row["endpoint_id"]) if row["endpoint_id"] else None,
+                    "network": row["network"],
+                }
+                for row in rows
+            ],
+        )
+    return len(rows)
 
 
 def audit(*, actor, action: str, target: str, count: int, **details: Any) -> AuditEntry:

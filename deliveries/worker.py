@@ -69,6 +69,7 @@ from .faults import crash_point
 from .metrics import ENDPOINT_LABELS
 from .models import Endpoint, endpoint_timeout
 from .policy import RetryPolicy, classify, parse_retry_after
+from .selectors import allowed_networks
 from .services import active_secrets
 from .signing import delivery_headers
 
@@ -106,6 +107,9 @@ class Target:
     headers: dict
     retry_client_errors: bool
     secrets: tuple[str, ...]
+    # Networks staff opened for this endpoint's tenant or for the endpoint
+    # (selectors.allowed_networks), admitted on top of EGRESS_ALLOW_NETWORKS.
+    allow_networks: tuple = ()
 
 
 @dataclass
@@ -187,9 +191,13 @@ def _claim(messages: list[tuple[object, transport.Message]], lease_seconds: floa
     secrets = active_secrets(endpoint_ids, now=now)
     targets = {}
     # Values, not models: a batch's endpoints are read for every batch.
-    for endpoint_id, url, timeout, headers, retry_client_errors in Endpoint.objects.filter(
-        id__in=endpoint_ids
-    ).values_list("id", "url", "timeout", "headers", "retry_client_errors"):
+    endpoints = list(
+        Endpoint.objects.filter(id__in=endpoint_ids).values_list(
+            "id", "tenant_id", "url", "timeout", "headers", "retry_client_errors"
+        )
+    )
+    allowed = allowed_networks((tenant_id, endpoint_id) for endpoint_id, tenant_id, *_ in endpoints)
+    for endpoint_id, tenant_id, url, timeout, headers, retry_client_errors in endpoints:
         targets[endpoint_id] = Target(
             url=url,
             timeout=endpoint_timeout(timeout),
@@ -198,6 +206,7 @@ def _claim(messages: list[tuple[object, transport.Message]], lease_seconds: floa
             },
             retry_client_errors=retry_client_errors,
             secrets=tuple(secrets.get(endpoint_id, ())),
+            allow_networks=allowed[(tenant_id, endpoint_id)],
         )
     return Claimed(leased=leased, targets=targets, skipped=skipped)
 
@@ -568,7 +577,11 @@ class Worker:
         started = datetime.now(UTC)
         try:
             response = await self.egress.post(
-                target.url, body=item.body, headers=headers, timeout=target.timeout
+                target.url,
+                body=item.body,
+                headers=headers,
+                timeout=target.timeout,
+                allow_networks=target.allow_networks,
             )
         except EgressError as exc:
             return state.AttemptResult(

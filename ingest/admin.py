@@ -89,10 +89,11 @@ class PollSourceForm(forms.ModelForm):
         model = PollSource
         fields = ["tenant", "adapter", "config", "auth_secret", "enabled", "every_minutes"]
 
-    def clean_auth_secret(self):
-        return self.cleaned_data["auth_secret"] or (
-            self.instance.auth_secret if self.instance.pk else ""
-        )
+    def _post_clean(self):
+        super()._post_clean()
+        # Not a model field: the model's auth_secret property encrypts what it is given.
+        if self.cleaned_data.get("auth_secret"):
+            self.instance.auth_secret = self.cleaned_data["auth_secret"]
 
     def clean_config(self):
         from .polling import http_json_config

@@ -6,6 +6,7 @@ import uuid
 from django.db import models
 from django.db.models import Q
 
+from deliveries import encryption
 from deliveries.ids import uuid7
 
 from .schemes import SCHEMES
@@ -36,14 +37,34 @@ class SourceSecret(models.Model):
     """A verification secret. Several can be live at once: providers switch to a rotated
     secret gradually (Shopify takes up to an hour)."""
 
+    # Read and written as ``secret`` (below), which encrypts: the database holds a token.
+    encrypted_secret_fields = (("secret_encrypted", "legacy_plaintext"),)
+
     id = models.BigAutoField(primary_key=True)
     source = models.ForeignKey(Source, on_delete=models.CASCADE, related_name="secrets")
-    secret = models.CharField(max_length=500)
+    # A Fernet token under SECRETS_ENCRYPTION_KEYS (deliveries/encryption.py); null only on
+    # a row a release before encryption wrote, until migration 0007 or
+    # rotate_encryption_keys encrypts it.
+    secret_encrypted = models.TextField(null=True, blank=True)  # noqa: DJ001
+    # The former plain-text column: blanked by migration 0007, never written since, kept
+    # for a previous release's inserts until a later release drops it.
+    legacy_plaintext = models.CharField(max_length=500, blank=True, default="", db_column="secret")
     created_at = models.DateTimeField(auto_now_add=True)
     expires_at = models.DateTimeField(null=True, blank=True)
 
     def __str__(self) -> str:
         return f"secret {self.id} of {self.source_id}"
+
+    @property
+    def secret(self) -> str:
+        return encryption.reveal(
+            self.secret_encrypted, self.legacy_plaintext, row=f"source secret {self.pk}"
+        )
+
+    @secret.setter
+    def secret(self, value: str) -> None:
+        self.secret_encrypted = encryption.encrypt(value)
+        self.legacy_plaintext = ""
 
 
 class InboundState(models.TextChoices):
@@ -186,6 +207,8 @@ class PollSource(models.Model):
     class Adapter(models.TextChoices):
         HTTP_JSON = "http_json"
 
+    encrypted_secret_fields = (("auth_secret_encrypted", "legacy_auth_secret"),)
+
     id = models.BigAutoField(primary_key=True)
     source = models.OneToOneField(Source, on_delete=models.CASCADE, related_name="poll")
     tenant = models.ForeignKey(
@@ -198,8 +221,14 @@ class PollSource(models.Model):
     adapter = models.CharField(max_length=20, choices=Adapter.choices, default=Adapter.HTTP_JSON)
     # The adapter's settings (URL, query parameter names, response paths…); no secrets.
     config = models.JSONField(default=dict)
-    # The value of the adapter's auth header; write-only in the admin, never logged.
-    auth_secret = models.CharField(max_length=2000, blank=True)
+    # The value of the adapter's auth header ("" : none), read and written as
+    # ``auth_secret`` (below): a Fernet token, like SourceSecret's. Write-only in the
+    # admin, never logged.
+    auth_secret_encrypted = models.TextField(null=True, blank=True)  # noqa: DJ001
+    # The former plain-text column, as SourceSecret.legacy_plaintext.
+    legacy_auth_secret = models.CharField(
+        max_length=2000, blank=True, default="", db_column="auth_secret"
+    )
     enabled = models.BooleanField(default=True)
     every_minutes = models.PositiveIntegerField(default=5, help_text="The schedule's interval.")
     cursor_at = models.DateTimeField(null=True, blank=True)
@@ -211,6 +240,17 @@ class PollSource(models.Model):
 
     def __str__(self) -> str:
         return self.source.slug
+
+    @property
+    def auth_secret(self) -> str:
+        return encryption.reveal(
+            self.auth_secret_encrypted, self.legacy_auth_secret, row=f"poll source {self.pk}"
+        )
+
+    @auth_secret.setter
+    def auth_secret(self, value: str) -> None:
+        self.auth_secret_encrypted = encryption.encrypt(value)
+        self.legacy_auth_secret = ""
 
 
 class BackfillState(models.TextChoices):

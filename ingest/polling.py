@@ -34,7 +34,8 @@ from typing import Any
 from django.conf import settings
 from yarl import URL
 
-from deliveries.egress import EgressError, EgressSession
+from deliveries.egress import EgressError, EgressPolicy, EgressSession
+from deliveries.selectors import egress_policy_for
 
 from .schemes import MAX_EVENT_ID_LENGTH, _dig, _from_iso, _from_unix
 from .services import NewEvent
@@ -105,9 +106,11 @@ class EgressFetcher:
     """Synchronous GETs through ``deliveries.egress`` (SSRF guard, timeouts, size cap) for
     the poller's synchronous loop: one private event loop, run between database writes."""
 
-    def __init__(self, *, max_response_bytes: int, timeout: float) -> None:
+    def __init__(
+        self, *, max_response_bytes: int, timeout: float, policy: EgressPolicy | None = None
+    ) -> None:
         self._loop = asyncio.new_event_loop()
-        self._session = EgressSession(max_response_bytes=max_response_bytes, pool_size=4)
+        self._session = EgressSession(policy, max_response_bytes=max_response_bytes, pool_size=4)
         self._timeout = timeout
 
     def get(self, url: str | URL, headers: dict[str, str]):
@@ -169,11 +172,20 @@ class HttpJsonAdapter(PollAdapter):
     ``{"data": [{"id": …, "updated_at": …}, …], "next": "…"}``. Every request goes
     through the egress guard."""
 
-    def __init__(self, config: dict[str, Any], *, auth_secret: str = "", fetcher=None) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        *,
+        auth_secret: str = "",
+        fetcher=None,
+        policy: EgressPolicy | None = None,
+    ) -> None:
         self.config = http_json_config(config)
         self._auth_secret = auth_secret
         self._fetcher = fetcher or EgressFetcher(
-            max_response_bytes=settings.POLL_MAX_RESPONSE_BYTES, timeout=self.config["timeout"]
+            max_response_bytes=settings.POLL_MAX_RESPONSE_BYTES,
+            timeout=self.config["timeout"],
+            policy=policy,
         )
 
     def close(self) -> None:
@@ -263,7 +275,13 @@ ADAPTERS: dict[str, Callable[..., PollAdapter]] = {"http_json": HttpJsonAdapter}
 
 
 def adapter_for(poll_source) -> PollAdapter:
-    return ADAPTERS[poll_source.adapter](poll_source.config, auth_secret=poll_source.auth_secret)
+    """The poll source's adapter. Its requests may reach what EGRESS_ALLOW_NETWORKS and
+    the networks staff opened for the source's tenant admit (none of an endpoint's: a
+    poll source is no endpoint); the operator's own sources (no tenant) the first only."""
+    policy = egress_policy_for(tenant_id=poll_source.tenant_id)
+    return ADAPTERS[poll_source.adapter](
+        poll_source.config, auth_secret=poll_source.auth_secret, policy=policy
+    )
 
 
 # --- The cursor and the walk over the pages ---------------------------------------------

@@ -34,6 +34,7 @@ from django.db import (
 from django.db.models import F
 from django.utils import timezone
 
+from deliveries import encryption
 from deliveries.broker import Message
 from deliveries.ids import UUID7_SQL, uuid7
 from deliveries.locks import entity_lock_acquire, entity_lock_release, entity_locks_acquire
@@ -97,11 +98,7 @@ def source_for(slug: str) -> Source | None:
     if source is not None:
         source.verifier = _verifier(source)
         source.accepted_content_types = tuple(source.content_types or source.verifier.content_types)
-        source.cached_secrets = tuple(
-            SourceSecret.objects.filter(source=source)
-            .order_by("-created_at")
-            .values_list("secret", "expires_at")
-        )
+        source.cached_secrets = _stored_secrets(source)
     if ttl > 0:
         if len(_SOURCE_CACHE) >= _SOURCE_CACHE_MAX:
             _SOURCE_CACHE.clear()
@@ -189,12 +186,24 @@ def _live_secrets(source: Source, now: datetime) -> list[str]:
     from ``source_for``)."""
     secrets = getattr(source, "cached_secrets", None)
     if secrets is None:
-        secrets = (
-            SourceSecret.objects.filter(source=source)
-            .order_by("-created_at")
-            .values_list("secret", "expires_at")
-        )
+        secrets = _stored_secrets(source)
     return [secret for secret, expires_at in secrets if expires_at is None or expires_at > now]
+
+
+def _stored_secrets(source: Source) -> tuple[tuple[str, datetime | None], ...]:
+    """(secret, expires_at) of every secret of ``source``, newest first, decrypted; one
+    that no configured key opens is logged and left out."""
+    rows = (
+        SourceSecret.objects.filter(source=source)
+        .order_by("-created_at")
+        .values_list("id", "secret_encrypted", "legacy_plaintext", "expires_at")
+    )
+    found = []
+    for secret_id, token, legacy, expires_at in rows:
+        secret = encryption.reveal_or_skip(token, legacy, row=f"source secret {secret_id}")
+        if secret is not None:
+            found.append((secret, expires_at))
+    return tuple(found)
 
 
 def _stored_headers(headers) -> dict[str, str]:

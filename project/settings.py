@@ -143,6 +143,14 @@ SECURE_HSTS_PRELOAD = env.bool("SECURE_HSTS_PRELOAD", default=False)
 SECURE_CONTENT_TYPE_NOSNIFF = True
 X_FRAME_OPTIONS = "DENY"
 
+# --- Secrets at rest (deliveries/encryption.py, docs/operations.md) -------------------
+# Fernet keys, newest first: the first encrypts the secrets the service stores (endpoint
+# signing secrets, inbound source secrets, poll sources' auth secrets), any of them
+# decrypts. Empty: one key derived from SECRET_KEY, for development only (`check
+# --deploy` says so, deliveries.W030). Rotate by putting a new key first, running
+# `manage.py rotate_encryption_keys`, then removing the old one.
+SECRETS_ENCRYPTION_KEYS = env.list("SECRETS_ENCRYPTION_KEYS", default=[])
+
 # --- REST -----------------------------------------------------------------------------
 REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",

@@ -4,9 +4,9 @@ the endpoint secret in the answers to create and rotate-secret, once."""
 from django.conf import settings
 from rest_framework import serializers
 
-from ..egress import EgressError, EgressPolicy
+from ..egress import EgressError
 from ..models import Attempt, Delivery, Endpoint, Event
-from ..selectors import delivery_explain
+from ..selectors import delivery_explain, egress_policy_for
 from ..worker import PROTOCOL_HEADERS
 
 
@@ -26,8 +26,14 @@ class EndpointInput(serializers.Serializer):
     retry_client_errors = serializers.BooleanField(required=False)
 
     def validate_url(self, url: str) -> str:
+        # The networks open to the caller's tenant (and to the endpoint being changed)
+        # count, as they will when the worker sends: context "tenant" and "endpoint".
+        tenant, endpoint = self.context.get("tenant"), self.context.get("endpoint")
+        policy = egress_policy_for(
+            tenant_id=tenant.id if tenant else None, endpoint_id=endpoint.id if endpoint else None
+        )
         try:
-            EgressPolicy.from_settings().check_url(url)
+            policy.check_url(url)
         except EgressError as exc:
             raise serializers.ValidationError(
                 f"This URL cannot receive webhooks: {exc.detail}"

@@ -65,7 +65,7 @@ class EndpointViewSet(TenantScoped, viewsets.ModelViewSet):
 
     @extend_schema(request=s.EndpointInput, responses={201: s.EndpointWithSecret})
     def create(self, request):
-        data = s.EndpointInput(data=request.data)
+        data = s.EndpointInput(data=request.data, context={"tenant": self.tenant})
         data.is_valid(raise_exception=True)
         endpoint, secret = services.endpoint_create(tenant=self.tenant, **data.validated_data)
         endpoint.secret = secret
@@ -74,7 +74,9 @@ class EndpointViewSet(TenantScoped, viewsets.ModelViewSet):
     @extend_schema(request=s.EndpointInput, responses=s.EndpointOutput)
     def partial_update(self, request, pk=None):
         endpoint = self.get_object()
-        data = s.EndpointInput(data=request.data, partial=True)
+        data = s.EndpointInput(
+            data=request.data, partial=True, context={"tenant": self.tenant, "endpoint": endpoint}
+        )
         data.is_valid(raise_exception=True)
         endpoint = services.endpoint_update(endpoint=endpoint, **data.validated_data)
         return Response(s.EndpointOutput(endpoint).data)

@@ -453,6 +453,55 @@ def test_post_reaches_an_allowed_loopback_receiver_with_exact_bytes_and_headers(
     assert receiver.seen[1].headers.getall("User-Agent") == ["custom/2"]
 
 
+def test_networks_one_request_adds_never_carry_over_to_a_request_without_them():
+    """Per-request allowances (a tenant's) get a pool of their own: the connection kept
+    alive for the request that was allowed is not there for the one that is not."""
+    loopback = (ipaddress.ip_network("127.0.0.0/8"),)
+
+    async def scenario():
+        async with Receiver() as receiver, session(NOTHING_ALLOWED) as egress:
+            allowed = await egress.post(
+                receiver.url(), body=b"{}", headers={}, timeout=3.0, allow_networks=loopback
+            )
+            refused = await post_expecting_error(egress, receiver.url())
+            again = await egress.get(
+                receiver.url(), headers={}, timeout=3.0, allow_networks=loopback
+            )
+        return receiver, allowed, refused, again
+
+    receiver, allowed, refused, again = asyncio.run(scenario())
+    assert allowed.status == 200 and again.status == 200
+    assert refused.kind == ErrorKind.BLOCKED and "loopback" in refused.detail
+    assert [seen.method for seen in receiver.seen] == ["POST", "GET"]
+
+
+def test_a_dns_answer_cached_under_one_requests_networks_is_judged_again_without_them():
+    resolver = StubResolver(["127.0.0.1"])
+    loopback = (ipaddress.ip_network("127.0.0.0/8"),)
+
+    async def scenario():
+        async with Receiver() as receiver, session(NOTHING_ALLOWED, resolver=resolver) as egress:
+            url = receiver.url(host="receiver.internal.test")
+            allowed = await egress.post(
+                url, body=b"{}", headers={}, timeout=3.0, allow_networks=loopback
+            )
+            refused = await post_expecting_error(egress, url)
+        return receiver, allowed, refused
+
+    receiver, allowed, refused = asyncio.run(scenario())
+    assert allowed.status == 200
+    assert refused.kind == ErrorKind.BLOCKED and "127.0.0.1" in refused.detail
+    assert resolver.lookups == ["receiver.internal.test"] * 2  # no shared DNS cache
+    assert len(receiver.seen) == 1
+
+
+def test_widening_a_policy_never_admits_metadata_addresses():
+    policy = NOTHING_ALLOWED.widened((ipaddress.ip_network("0.0.0.0/0"),))
+    assert policy.refusal(ipaddress.ip_address("10.1.2.3")) is None
+    assert policy.refusal(ipaddress.ip_address("169.254.169.254")) == "cloud metadata address"
+    assert NOTHING_ALLOWED.widened(()) is NOTHING_ALLOWED
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
 def test_loopback_receiver_is_blocked_without_an_allow_list(host):
     async def scenario():
