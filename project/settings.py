@@ -204,6 +204,10 @@ WORKER_IDLE_SLEEP = env.float("WORKER_IDLE_SLEEP", default=0.05)
 # Seconds a stopping worker lets its requests in flight run before it cuts them off and
 # gives their leases back. Keep it under the process manager's stop timeout.
 WORKER_SHUTDOWN_GRACE = env.float("WORKER_SHUTDOWN_GRACE", default=25.0)
+# Seconds between heartbeats of every long-running command (scheduler, relay, workers,
+# poll loop, backfill), busy or idle. A loop silent for six of them is taken as not
+# running (deliveries.selectors.loop_stale_after, which delivery_status uses).
+LOOP_HEARTBEAT_SECONDS = env.float("LOOP_HEARTBEAT_SECONDS", default=10.0)
 
 # Crash-boundary fault injection for tests and the soak: the name of a point in
 # deliveries/faults.py at which the process kills itself. Empty in production.
