@@ -196,3 +196,26 @@ def commands(tmp_path):
     yield start
     for command in started:
         command.kill()
+
+
+def scrape(*, fresh: bool = True, **client) -> dict:
+    """{(sample name, sorted label items): value} from the real /metrics view; ``fresh``
+    recomputes the database gauges instead of reading the cached ones."""
+    from django.test import Client
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from project import metrics
+
+    if fresh:
+        metrics.DATABASE_COLLECTOR.clear()
+    response = Client(**client).get("/metrics")
+    assert response.status_code == 200, response.content
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(response.content.decode())
+        for s in family.samples
+    }
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
