@@ -113,7 +113,7 @@ def run_relay(page: int) -> None:
 
     from deliveries import broker, loops
 
-    queue = settings.Q_CLUSTER["name"]
+    queue = settings.QUEUE_NAME
     with psycopg.connect(connect_url(), autocommit=True) as conn:
         register(conn, "floor-relay")
         take = loops._OUTBOX_PAGE_SQL.format(column="published_at")
@@ -240,7 +240,7 @@ async def run_worker(lanes: int, batch: int, *, egress: bool, db_thread: bool) -
 
     from deliveries import signing
 
-    queue = settings.Q_CLUSTER["name"]
+    queue = settings.QUEUE_NAME
     worker_name = f"floor:{os.getpid()}"
     if egress:
         from deliveries.egress import EgressSession

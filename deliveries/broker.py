@@ -14,20 +14,29 @@ Any other ``django_q.brokers.Broker`` works too (``QUEUE_BROKER_CLASS``), e.g. d
 Redis broker. A broker without acknowledgements loses the messages a killed worker held;
 the scheduler's lost-dispatch sweep (``SCHEDULER_STALE_ENQUEUED_SECONDS``) recovers those
 deliveries, so they are late, never lost.
+
+The same broker class serves two queues that never share a key: the pipeline's
+(``QUEUE_NAME``: relay to workers, ``broker()``) and django-q2's own (its cluster's name,
+``TASKS_QUEUE_NAME``: a ``qcluster`` running the maintenance schedules). Each side reads
+only its own, so neither takes a message it cannot read: a qcluster would delete a
+delivery message it failed to unpickle, and a worker would hide a django-q2 task.
 """
 
 import json
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
 from django_q.brokers import Broker, get_broker
 from django_q.brokers.redis_broker import Redis
+from django_q.conf import Conf
 
 from . import wakeup
 from .models import QueueMessage
@@ -158,10 +167,16 @@ class DatabaseBroker(Broker):
 
     def dequeue(self, limit: int | None = None) -> list[tuple[int, str]]:
         """Take up to ``limit`` visible messages, highest priority first, and hide them
-        for the visibility timeout. An unacknowledged message becomes visible again."""
+        for the visibility timeout. An unacknowledged message becomes visible again.
+
+        django-q2's pusher calls this in a loop with no limit: on an empty queue that
+        call waits the cluster's poll interval (``Q_CLUSTER["poll"]``, as django-q2's own
+        ORM broker does), so an idle qcluster does not spin on the database."""
         with transaction.atomic(savepoint=False):
             rows = self.lock(limit or settings.WORKER_BATCH_SIZE)
             self.settle(spent=[], hidden=[r[0] for r in rows])
+        if not rows and limit is None:
+            time.sleep(Conf.POLL)
         return rows
 
     def lock(self, limit: int) -> list[tuple[int, str]]:
@@ -242,8 +257,24 @@ class DatabaseBroker(Broker):
 
 
 def broker() -> Broker:
-    """The configured broker (``QUEUE_BROKER_CLASS``)."""
-    return get_broker()
+    """The pipeline's broker: ``QUEUE_BROKER_CLASS`` on the queue ``QUEUE_NAME``. Never
+    django-q2's default (its cluster's queue), which a qcluster reads."""
+    if shares_tasks_queue():
+        raise ImproperlyConfigured(QUEUES_SHARED)
+    return get_broker(settings.QUEUE_NAME)
+
+
+QUEUES_SHARED = (
+    "QUEUE_NAME (the pipeline's queue) must differ from django-q2's cluster name "
+    "(TASKS_QUEUE_NAME, Q_CLUSTER['name'] or Q_CLUSTER_NAME): a qcluster would take and "
+    "delete delivery messages, and the workers would hide its tasks."
+)
+
+
+def shares_tasks_queue() -> bool:
+    """Whether the pipeline's queue is django-q2's: its cluster name as django-q2 reads
+    it (``Q_CLUSTER`` at start-up, or the ``Q_CLUSTER_NAME`` environment variable)."""
+    return settings.QUEUE_NAME in {Conf.CLUSTER_NAME, settings.Q_CLUSTER.get("name")}
 
 
 # Uniform batch operations over any django-q2 broker: ours and django-q2's Redis broker

@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
@@ -359,14 +359,85 @@ def start_run(kind: str) -> LoopRun:
     )
 
 
-def save_run(run: LoopRun, counts: Counter, *, finished: bool = False) -> None:
+def save_run(run: LoopRun, ticks: int, counts: Mapping, *, finished: bool = False) -> None:
+    """Refresh a run's heartbeat and progress; ``finished`` closes it. Guarded on the run
+    being open, so a late heartbeat never reopens a finished run."""
     now = timezone.now()
-    LoopRun.objects.filter(id=run.id).update(
+    LoopRun.objects.filter(id=run.id, finished_at__isnull=True).update(
         heartbeat_at=now,
-        ticks=run.ticks,
+        ticks=ticks,
         counts=dict(counts),
         finished_at=now if finished else None,
     )
+
+
+class Heartbeat:
+    """Calls ``beat`` every ``LOOP_HEARTBEAT_SECONDS``, busy or idle, from a thread of its
+    own, while the ``with`` block runs. Every long-running command beats through this
+    (``recorded_run``; the backfill for its own run row).
+
+    A thread, so that no unit of work delays it: a worker whose lanes are all sending, a
+    poll reading a thousand pages, a backfill waiting for its rate limit. A beat says the
+    process runs and reaches its database; whether it gets work done is in the counts a
+    beat writes and in the flow metrics (oldest due delivery, relay lag). A failed beat
+    is logged and tried again at the next period. The thread keeps one database
+    connection of its own, closed when the block ends."""
+
+    def __init__(self, beat: Callable[[], object], *, name: str, every: float | None = None):
+        self.beat = beat
+        self.every = settings.LOOP_HEARTBEAT_SECONDS if every is None else every
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> "Heartbeat":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopped.set()
+        # A beat stuck on an unanswering database must not hold the process's exit; a
+        # beat that lands after the final record is refused by its guard (save_run).
+        self.thread.join(timeout=5.0)
+
+    def __enter__(self) -> "Heartbeat":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        try:
+            while not self.stopped.wait(self.every):
+                close_old_connections()
+                try:
+                    self.beat()
+                except Exception as exc:
+                    logger.warning(
+                        "heartbeat failed",
+                        extra={"action": "heartbeat.failed", "error": str(exc)[:200]},
+                    )
+                    _reset_connection()
+        finally:
+            _reset_connection()
+
+
+@contextlib.contextmanager
+def recorded_run(
+    kind: str, stop: "StopFlag", progress: Callable[[], tuple[int, Mapping]]
+) -> Iterator[LoopRun | None]:
+    """The LoopRun row of a long-running command: created at start (waiting for the
+    database as the loops do; ``None`` if stopped first), its heartbeat and
+    ``progress()`` (ticks, counts) refreshed on the period while the block runs, closed
+    with the final progress when it ends."""
+    run = with_db_retry(lambda: start_run(kind), stop)
+    if run is None:
+        yield None
+        return
+    try:
+        with Heartbeat(lambda: save_run(run, *progress()), name=f"{kind}-heartbeat"):
+            yield run
+    finally:
+        with_db_retry(lambda: save_run(run, *progress(), finished=True), stop, attempts=3)
 
 
 def run_loop(
@@ -377,11 +448,11 @@ def run_loop(
     until_idle: bool = False,
     interval: float = 0.2,
     stop: StopFlag | None = None,
-    heartbeat_every: float = 5.0,
     listen: tuple[str, ...] = (),
 ) -> Counter:
     """Run ``unit`` until stopped (``once``: a single unit; ``until_idle``: until a unit
-    reports nothing left). Returns the summed counts, also kept in a LoopRun row.
+    reports nothing left). Returns the summed counts, also kept in a LoopRun row whose
+    heartbeat ``recorded_run`` refreshes on its period, whatever the unit is doing.
 
     Pacing: at once while busy; after the unit's ``pause`` when it asks for one; after
     SOON_WAIT while there is work in motion, and BLOCKED_WAIT while due work waits under
@@ -391,71 +462,67 @@ def run_loop(
     deliveries.wakeup) a notification ends the blocked and the idle waits early, and an
     idle loop waits the whole ``interval`` at once."""
     stop = stop or StopFlag()
-    listener = wakeup.Listener(*listen) if listen and not once else None
-
-    def wait(seconds: float) -> None:
-        if listener is None:
-            stop.event.wait(seconds)
-        else:
-            listener.wait(seconds, stop.event)
-
     totals: Counter = Counter()
-    run = with_db_retry(lambda: start_run(kind), stop)
-    if run is None:
-        return totals
-    logger.info("loop started", extra={"action": f"{kind}.start", "run_id": str(run.id)})
-    last_beat = time.monotonic()
-    backoff = 0.5
-    idle_wait = SOON_WAIT
-    while not stop.is_set:
-        close_old_connections()
-        try:
-            tick = unit()
-            backoff = 0.5
-        except _DB_ERRORS as exc:
-            logger.warning(
-                "database unavailable, retrying",
-                extra={"action": f"{kind}.db_error", "run_id": str(run.id), "error": str(exc)},
-            )
-            _reset_connection()
-            stop.event.wait(backoff)
-            backoff = min(backoff * 2, 10.0)
-            continue
-        run.ticks += 1
-        totals.update(tick.counts)
-        if any(tick.counts.values()):
-            logger.info(
-                "tick",
-                extra={"action": f"{kind}.tick", "run_id": str(run.id), **dict(tick.counts)},
-            )
-        if once or (until_idle and tick.idle):
-            break
-        if time.monotonic() - last_beat > heartbeat_every:
-            with_db_retry(lambda: save_run(run, totals), stop, attempts=1)
-            last_beat = time.monotonic()
-        if tick.pause and not tick.busy:
-            idle_wait = SOON_WAIT
-            stop.event.wait(tick.pause)
-            if listener is not None:
-                listener.drain()  # what arrived meanwhile is what the next unit finds
-        elif tick.busy or tick.soon:
-            idle_wait = SOON_WAIT
-            if not tick.busy:
-                # Pacing while work flows, not idleness: notifications (one per publish,
-                # say) wait here, so that what arrives meanwhile makes one page instead
-                # of a pass each.
-                stop.event.wait(SOON_WAIT)
-            if listener is not None:
-                listener.drain()  # read, never left to pile up while work flows
-        elif tick.blocked:
-            idle_wait = SOON_WAIT
-            wait(BLOCKED_WAIT)
-        else:
-            wait(interval if listener else idle_wait)
-            idle_wait = min(idle_wait * 2, interval)
-    if listener is not None:
-        listener.close()
-    with_db_retry(lambda: save_run(run, totals, finished=True), stop, attempts=3)
+    ticks = 0
+    with recorded_run(kind, stop, lambda: (ticks, dict(totals))) as run:
+        if run is None:
+            return totals
+        listener = wakeup.Listener(*listen) if listen and not once else None
+
+        def wait(seconds: float) -> None:
+            if listener is None:
+                stop.event.wait(seconds)
+            else:
+                listener.wait(seconds, stop.event)
+
+        logger.info("loop started", extra={"action": f"{kind}.start", "run_id": str(run.id)})
+        backoff = 0.5
+        idle_wait = SOON_WAIT
+        while not stop.is_set:
+            close_old_connections()
+            try:
+                tick = unit()
+                backoff = 0.5
+            except _DB_ERRORS as exc:
+                logger.warning(
+                    "database unavailable, retrying",
+                    extra={"action": f"{kind}.db_error", "run_id": str(run.id), "error": str(exc)},
+                )
+                _reset_connection()
+                stop.event.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+                continue
+            ticks += 1
+            totals.update(tick.counts)
+            if any(tick.counts.values()):
+                logger.info(
+                    "tick",
+                    extra={"action": f"{kind}.tick", "run_id": str(run.id), **dict(tick.counts)},
+                )
+            if once or (until_idle and tick.idle):
+                break
+            if tick.pause and not tick.busy:
+                idle_wait = SOON_WAIT
+                stop.event.wait(tick.pause)
+                if listener is not None:
+                    listener.drain()  # what arrived meanwhile is what the next unit finds
+            elif tick.busy or tick.soon:
+                idle_wait = SOON_WAIT
+                if not tick.busy:
+                    # Pacing while work flows, not idleness: notifications (one per publish,
+                    # say) wait here, so that what arrives meanwhile makes one page instead
+                    # of a pass each.
+                    stop.event.wait(SOON_WAIT)
+                if listener is not None:
+                    listener.drain()  # read, never left to pile up while work flows
+            elif tick.blocked:
+                idle_wait = SOON_WAIT
+                wait(BLOCKED_WAIT)
+            else:
+                wait(interval if listener else idle_wait)
+                idle_wait = min(idle_wait * 2, interval)
+        if listener is not None:
+            listener.close()
     logger.info(
         "loop stopped", extra={"action": f"{kind}.stop", "run_id": str(run.id), **dict(totals)}
     )

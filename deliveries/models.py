@@ -562,12 +562,15 @@ class EntityLock(models.Model):
 
 
 class LoopRun(models.Model):
-    """What one run of the scheduler, relay or workers did: the run id is in its logs."""
+    """What one run of a long-running command (scheduler, relay, workers, a poll loop)
+    did: the run id is in its logs, and its heartbeat is refreshed on a fixed period
+    while it runs (``deliveries.loops.Heartbeat``)."""
 
     class Kind(models.TextChoices):
         SCHEDULER = "scheduler"
         RELAY = "relay"
         WORKERS = "workers"
+        POLL = "poll"
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     kind = models.CharField(max_length=16, choices=Kind.choices)

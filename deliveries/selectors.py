@@ -18,8 +18,14 @@ from .state import message_key
 
 logger = logging.getLogger("deliveries.selectors")
 
-# A loop whose heartbeat is older than this is taken as not running.
-LOOP_STALE_AFTER = timedelta(seconds=60)
+# A loop that missed this many heartbeats (LOOP_HEARTBEAT_SECONDS apart, 60 s with the
+# default period) is taken as not running: a few late beats (a slow database) are not
+# a stopped process.
+LOOP_STALE_BEATS = 6
+
+
+def loop_stale_after() -> timedelta:
+    return timedelta(seconds=LOOP_STALE_BEATS * settings.LOOP_HEARTBEAT_SECONDS)
 
 
 @dataclass
@@ -41,7 +47,7 @@ def _t(moment: datetime | None) -> str:
 
 def _loop_alive(kind: str, now: datetime) -> bool:
     return LoopRun.objects.filter(
-        kind=kind, finished_at__isnull=True, heartbeat_at__gte=now - LOOP_STALE_AFTER
+        kind=kind, finished_at__isnull=True, heartbeat_at__gte=now - loop_stale_after()
     ).exists()
 
 

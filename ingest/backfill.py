@@ -23,6 +23,8 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
+from deliveries.loops import Heartbeat
+
 from .models import BackfillRun, BackfillState, InboundEvent, PollSource
 from .poller import Lease, LeaseLost
 from .polling import Cursor, Page, PollAdapter, PollError, TokenBucket, adapter_for, read_changes
@@ -31,6 +33,12 @@ from .services import inbound_store_many
 logger = logging.getLogger("ingest")
 
 RESUMABLE = (BackfillState.RUNNING, BackfillState.INTERRUPTED, BackfillState.FAILED)
+
+
+def _beat(run_id) -> None:
+    BackfillRun.objects.filter(id=run_id, state=BackfillState.RUNNING).update(
+        heartbeat_at=timezone.now()
+    )
 
 
 class BackfillError(Exception):
@@ -170,6 +178,9 @@ def backfill_run_execute(
     )
     state, error = BackfillState.COMPLETED, ""
     requests_recorded = 0
+    # Each page writes the heartbeat; this keeps it fresh while a page is slow or the
+    # rate limit waits.
+    heartbeat = Heartbeat(lambda: _beat(run.id), name="backfill-heartbeat").start()
     try:
         for page in read_changes(
             adapter,
@@ -214,6 +225,7 @@ def backfill_run_execute(
         state, error = BackfillState.INTERRUPTED, "interrupted"
         raise
     finally:
+        heartbeat.stop()
         adapter.close()
         BackfillRun.objects.filter(id=run.id, state=BackfillState.RUNNING).update(
             state=state,

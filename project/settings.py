@@ -214,6 +214,10 @@ WORKER_IDLE_SLEEP = env.float("WORKER_IDLE_SLEEP", default=0.05)
 # Seconds a stopping worker lets its requests in flight run before it cuts them off and
 # gives their leases back. Keep it under the process manager's stop timeout.
 WORKER_SHUTDOWN_GRACE = env.float("WORKER_SHUTDOWN_GRACE", default=25.0)
+# Seconds between heartbeats of every long-running command (scheduler, relay, workers,
+# poll loop, backfill), busy or idle. A loop silent for six of them is taken as not
+# running (deliveries.selectors.loop_stale_after, which delivery_status uses).
+LOOP_HEARTBEAT_SECONDS = env.float("LOOP_HEARTBEAT_SECONDS", default=10.0)
 
 # Crash-boundary fault injection for tests and the soak: the name of a point in
 # deliveries/faults.py at which the process kills itself. Empty in production.
@@ -287,8 +291,15 @@ INGEST_SOURCE_CACHE_SECONDS = env.float("INGEST_SOURCE_CACHE_SECONDS", default=5
 QUEUE_VISIBILITY_TIMEOUT = env.int("QUEUE_VISIBILITY_TIMEOUT", default=90)
 REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
 QUEUE_BROKER_CLASS = env.str("QUEUE_BROKER_CLASS", default="deliveries.broker.DatabaseBroker")
+# Two queues on the one broker, never shared: QUEUE_NAME carries the pipeline's messages
+# (relay to workers), TASKS_QUEUE_NAME is django-q2's cluster (a `qcluster` running the
+# maintenance schedules). A qcluster on the pipeline's queue would take delivery messages
+# it cannot unpickle and delete them; the workers would hide its tasks. deliveries.E007
+# refuses one name for both.
+QUEUE_NAME = env.str("QUEUE_NAME", default="webhooks")
+TASKS_QUEUE_NAME = env.str("TASKS_QUEUE_NAME", default=f"{QUEUE_NAME}-tasks")
 Q_CLUSTER = {
-    "name": env.str("QUEUE_NAME", default="webhooks"),
+    "name": TASKS_QUEUE_NAME,
     "broker_class": QUEUE_BROKER_CLASS,
     "redis": REDIS_URL,
     # The broker's visibility timeout: a message not acknowledged within it is handed out

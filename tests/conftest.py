@@ -133,3 +133,89 @@ def in_thread(fn, errors: list[BaseException]) -> threading.Thread:
     thread = threading.Thread(target=run)
     thread.start()
     return thread
+
+
+class Command:
+    """A management command running as a real process, its output going to files."""
+
+    def __init__(self, args: tuple[str, ...], env: dict[str, str], logs) -> None:
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        root = Path(__file__).resolve().parent.parent
+        self.args = args
+        self.stdout = logs / f"{args[0]}.{id(self)}.out"
+        self.stderr = logs / f"{args[0]}.{id(self)}.err"
+        with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(root / "manage.py"), *args],
+                env=env,
+                cwd=root,
+                stdout=out,
+                stderr=err,
+                # Its own process group, so that what it forks (a qcluster's sentinel,
+                # workers and pusher) is killed with it.
+                start_new_session=True,
+            )
+
+    def output(self) -> str:
+        return self.stdout.read_text() + self.stderr.read_text()
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM, then wait for it to exit; returns its exit code."""
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        """SIGKILL to its whole process group (children it left behind included)."""
+        import contextlib
+        import os
+        import signal
+
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+@pytest.fixture
+def commands(tmp_path):
+    """Start management commands as processes: ``commands("run_relay", env=...)``. What a
+    failed assertion leaves running is killed, so it cannot go on writing to the test
+    database."""
+    started: list[Command] = []
+
+    def start(*args: str, env: dict[str, str]) -> Command:
+        command = Command(args, env, tmp_path)
+        started.append(command)
+        return command
+
+    yield start
+    for command in started:
+        command.kill()
+
+
+def scrape(*, fresh: bool = True, **client) -> dict:
+    """{(sample name, sorted label items): value} from the real /metrics view; ``fresh``
+    recomputes the database gauges instead of reading the cached ones."""
+    from django.test import Client
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from project import metrics
+
+    if fresh:
+        metrics.DATABASE_COLLECTOR.clear()
+    response = Client(**client).get("/metrics")
+    assert response.status_code == 200, response.content
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(response.content.decode())
+        for s in family.samples
+    }
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)

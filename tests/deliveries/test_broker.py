@@ -10,7 +10,11 @@ import redis
 from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
+from django_q.brokers import get_broker
 from django_q.brokers.redis_broker import Redis
+from django_q.conf import Conf
+from django_q.signing import SignedPackage
+from django_q.tasks import async_task
 
 from deliveries import broker as transport
 from deliveries import services, state
@@ -219,7 +223,7 @@ def test_a_version_1_message_still_in_the_queue_is_delivered(tenant, receiver):
     scheduler_tick()
     delivery = Delivery.objects.get()
     # What the previous release's relay wrote for this dispatch.
-    DatabaseBroker(list_key=settings.Q_CLUSTER["name"]).enqueue(
+    DatabaseBroker(list_key=settings.QUEUE_NAME).enqueue(
         json.dumps({"d": delivery.id.hex, "n": delivery.dispatch_count, "p": 0})
     )
 
@@ -241,7 +245,7 @@ def test_a_message_from_a_newer_release_is_left_for_it_and_its_delivery_recovere
     # A rollback left the delivery's message in a format this release cannot read: it
     # is the only one there is (the outbox row is published).
     QueueMessage.objects.all().delete()
-    DatabaseBroker(list_key=settings.Q_CLUSTER["name"]).enqueue(
+    DatabaseBroker(list_key=settings.QUEUE_NAME).enqueue(
         json.dumps({"v": 3, "d": delivery.id.hex, "n": delivery.dispatch_count})
     )
 
@@ -267,7 +271,7 @@ def test_a_workers_take_spends_what_it_can_handle_and_hides_the_rest(tenant, rec
     services.publish_event(tenant=tenant, event_type="t", payload={})
     scheduler_tick()
     relay_tick()
-    b = DatabaseBroker(list_key=settings.Q_CLUSTER["name"])
+    b = DatabaseBroker(list_key=settings.QUEUE_NAME)
     b.enqueue_many(
         [Message(uuid.uuid4(), 1, kind="from-the-future").encode(), "not a message"],
         priorities=[0, 0],
@@ -281,3 +285,36 @@ def test_a_workers_take_spends_what_it_can_handle_and_hides_the_rest(tenant, rec
     assert "not a message" in left
     assert [Message.decode(p).kind for p in left if p != "not a message"] == ["from-the-future"]
     assert b.queue_size() == 0  # hidden for the visibility timeout
+
+
+REDIS_TESTS_URL = "redis://127.0.0.1:6379/12"
+
+
+@pytest.fixture(params=["database", pytest.param("redis", marks=pytest.mark.redis)])
+def both_brokers(request, monkeypatch):
+    """The pipeline's broker and django-q2's (what a qcluster reads), on the database
+    broker and on django-q2's Redis broker: the configured class, as both sides get it."""
+    if request.param == "redis":
+        monkeypatch.setattr(Conf, "BROKER_CLASS", f"{Redis.__module__}.Redis")
+        monkeypatch.setattr(Conf, "REDIS", REDIS_TESTS_URL)
+    pipeline, tasks = transport.broker(), get_broker()
+    yield pipeline, tasks
+    pipeline.purge_queue()
+    tasks.purge_queue()
+
+
+def test_the_pipeline_and_django_q2_never_read_each_others_messages(tenant, both_brokers):
+    pipeline, tasks = both_brokers
+    services.endpoint_create(tenant=tenant, url="http://127.0.0.1:9/x")
+    services.publish_event(tenant=tenant, event_type="t", payload={})
+    scheduler_tick()
+    relay_tick(b=pipeline)
+    # What a qcluster's scheduler enqueues for a schedule, on django-q2's default broker.
+    task_id = async_task("deliveries.tasks.alerts_pass", broker=tasks)
+
+    assert pipeline.list_key != tasks.list_key
+    taken = transport.receive(pipeline, 10)
+    assert [Message.decode(p).job_id for _, p in taken] == [Delivery.objects.get().id]
+    pulled = tasks.dequeue()
+    assert [SignedPackage.loads(p)["id"] for _, p in pulled] == [task_id]
+    assert transport.receive(pipeline, 10) == [] and not tasks.dequeue()

@@ -35,3 +35,17 @@ def test_only_checks_given_databases_ask_the_server():
         (shown,) = cursor.fetchone()
     asked = [m.id for m in run_checks(databases=["default"])]
     assert ("deliveries.W001" in asked) == (shown == "off")
+
+
+def test_one_queue_name_for_the_pipeline_and_django_q2_is_refused(settings):
+    from django.core.exceptions import ImproperlyConfigured
+
+    from deliveries.broker import broker
+    from deliveries.checks import check_delivery_settings
+
+    assert "deliveries.E007" not in [e.id for e in check_delivery_settings(None)]
+    settings.QUEUE_NAME = settings.Q_CLUSTER["name"]
+
+    assert "deliveries.E007" in [e.id for e in check_delivery_settings(None)]
+    with pytest.raises(ImproperlyConfigured, match="QUEUE_NAME"):
+        broker()

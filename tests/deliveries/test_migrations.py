@@ -1,6 +1,7 @@
 """Data steps of migrations, run on rows the current models write."""
 
 import importlib
+import uuid
 from datetime import timedelta
 
 import pytest
@@ -120,3 +121,29 @@ def test_every_delivery_inserted_is_listed_whoever_inserts_it(tenant):
     with connection.cursor() as cursor:
         cursor.execute("DELETE FROM deliveries_delivery WHERE id = %s", [delivery_id])
     assert not DeliveryListing.objects.exists()
+
+
+tasks_queue = importlib.import_module("deliveries.migrations.0021_looprun_poll_and_tasks_queue")
+
+
+def test_0021_moves_django_q2_tasks_out_of_the_pipelines_queue_and_keeps_its_messages(settings):
+    from django_q.signing import SignedPackage
+
+    from deliveries.broker import DatabaseBroker, Message
+    from deliveries.models import QueueMessage
+
+    pipeline = DatabaseBroker(list_key=settings.QUEUE_NAME)
+    delivery = Message(uuid.uuid4(), 1).encode()
+    future = '{"v": 99, "d": "x", "n": 1}'  # a newer release's: still the pipeline's
+    task = SignedPackage.dumps({"id": "t", "func": "deliveries.tasks.alerts_pass"})
+    pipeline.enqueue_many([delivery, future, task], priorities=[0, 0, 0])
+
+    with connection.schema_editor() as editor:
+        tasks_queue.move_tasks(apps, editor)
+
+    queues = dict(QueueMessage.objects.values_list("payload", "queue"))
+    assert queues == {
+        delivery: settings.QUEUE_NAME,
+        future: settings.QUEUE_NAME,
+        task: settings.Q_CLUSTER["name"],
+    }

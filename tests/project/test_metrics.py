@@ -8,7 +8,6 @@ import pytest
 from django.db import connection
 from django.test import Client
 from django.utils import timezone
-from prometheus_client.parser import text_string_to_metric_families
 
 from deliveries import services, state
 from deliveries.loops import relay_tick, scheduler_tick
@@ -18,27 +17,10 @@ from ingest import handlers
 from ingest.schemes import get_scheme
 from ingest.services import source_create
 from project import metrics
-from tests.conftest import drain, run_workers
+from tests.conftest import drain, run_workers, scrape, value
 from tests.receiver import always
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def scrape(*, fresh: bool = True, **client) -> dict:
-    """{(sample name, sorted label items): value} from the real view."""
-    if fresh:
-        metrics.DATABASE_COLLECTOR.clear()
-    response = Client(**client).get("/metrics")
-    assert response.status_code == 200, response.content
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(response.content.decode())
-        for s in family.samples
-    }
-
-
-def value(samples: dict, name: str, **labels) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def test_metrics_need_the_token_or_an_allowed_address(settings):

@@ -4,7 +4,7 @@ import signal
 
 from django.core.management.base import BaseCommand
 
-from deliveries.loops import StopFlag, save_run, start_run, with_db_retry
+from deliveries.loops import StopFlag, recorded_run
 from deliveries.worker import Worker
 
 from ._loop import add_loop_arguments, settle_if_long_running
@@ -45,9 +45,6 @@ class Command(BaseCommand):
         # for it like the loops do rather than exit.
         stop = StopFlag()
         stop.install()
-        run = with_db_retry(lambda: start_run("workers"), stop)
-        if run is None:
-            return
         worker = Worker(batch_size=batch_size, concurrency=concurrency, lanes=lanes)
 
         async def main():
@@ -59,11 +56,16 @@ class Command(BaseCommand):
                 stopped.set()
             return await worker.run(stop=stopped, once=once, until_idle=until_idle)
 
-        settle_if_long_running(once=once, until_idle=until_idle)
-        logger.info("workers started", extra={"action": "workers.start", "run_id": str(run.id)})
-        counts = asyncio.run(main())
-        run.ticks = counts.get("messages", 0)
-        with_db_retry(lambda: save_run(run, counts, finished=True), stop, attempts=3)
+        def progress():
+            # Read by the heartbeat while the lanes deliver.
+            return worker.counts["messages"], dict(worker.counts)
+
+        with recorded_run("workers", stop, progress) as run:
+            if run is None:
+                return
+            settle_if_long_running(once=once, until_idle=until_idle)
+            logger.info("workers started", extra={"action": "workers.start", "run_id": str(run.id)})
+            counts = asyncio.run(main())
         logger.info(
             "workers stopped",
             extra={"action": "workers.stop", "run_id": str(run.id), **dict(counts)},
