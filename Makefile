@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test lint check pytest bench soak clean
+.PHONY: run test lint check pytest bench soak clean lock
 
 $(VENV)/.base-installed: requirements/base.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -67,3 +67,15 @@ soak: $(VENV)/.dev-installed
 
 clean:
 	rm -rf $(VENV) var/*.sqlite3*
+
+## make lock: resolve requirements/*.in into the pinned, hashed requirements/*.txt the
+## standalone service and the suite install (pip-tools; pins already there are kept,
+## `make lock PIP_COMPILE_ARGS=--upgrade` moves them). The package's own ranges are in
+## pyproject.toml.
+lock: $(VENV)/.dev-installed
+	$(PY) -m pip install -q pip-tools==7.6.2
+	for f in base otel dev; do \
+	  $(VENV)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
+	    --no-emit-index-url --no-emit-find-links $(PIP_COMPILE_ARGS) \
+	    -o requirements/$$f.txt requirements/$$f.in; \
+	done
