@@ -2,6 +2,7 @@
 django-q2's Redis broker driving the same pipeline."""
 
 import json
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -318,3 +319,21 @@ def test_the_pipeline_and_django_q2_never_read_each_others_messages(tenant, both
     pulled = tasks.dequeue()
     assert [SignedPackage.loads(p)["id"] for _, p in pulled] == [task_id]
     assert transport.receive(pipeline, 10) == [] and not tasks.dequeue()
+
+
+def test_django_q2s_pusher_waits_its_poll_interval_on_an_empty_queue_and_workers_never(
+    monkeypatch,
+):
+    # django-q2's pusher calls dequeue() in a loop with no limit; the workers pass theirs.
+    monkeypatch.setattr(Conf, "POLL", 1.0)
+    b = DatabaseBroker(list_key="idle")
+
+    began = time.monotonic()
+    assert b.dequeue() == []
+    pusher_waited = time.monotonic() - began
+    began = time.monotonic()
+    assert b.dequeue(10) == []
+    worker_waited = time.monotonic() - began
+
+    assert pusher_waited >= 1.0
+    assert worker_waited < 1.0

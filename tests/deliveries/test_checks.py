@@ -49,3 +49,12 @@ def test_one_queue_name_for_the_pipeline_and_django_q2_is_refused(settings):
     assert "deliveries.E007" in [e.id for e in check_delivery_settings(None)]
     with pytest.raises(ImproperlyConfigured, match="QUEUE_NAME"):
         broker()
+
+
+def test_a_heartbeat_period_that_is_not_positive_is_refused(settings):
+    from deliveries.checks import check_delivery_settings
+
+    assert "deliveries.E008" not in [e.id for e in check_delivery_settings(None)]
+    for period in (0, -1.0):
+        settings.LOOP_HEARTBEAT_SECONDS = period
+        assert "deliveries.E008" in [e.id for e in check_delivery_settings(None)]
