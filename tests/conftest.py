@@ -1,5 +1,7 @@
 import asyncio
+import contextlib
 import threading
+import time
 
 import pytest
 from django.db import connection
@@ -133,3 +135,60 @@ def in_thread(fn, errors: list[BaseException]) -> threading.Thread:
     thread = threading.Thread(target=run)
     thread.start()
     return thread
+
+
+@contextlib.contextmanager
+def gunicorn_server(env: dict[str, str], *, workers: int, config: str = "project/gunicorn.conf.py"):
+    """The real gunicorn with ``config`` (the shipped one by default) and ``workers``
+    processes on a free port, every worker up; yields (base URL, the master's Popen)."""
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    import requests
+
+    from bench.outbound import child_pids
+
+    root = Path(__file__).resolve().parent.parent
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    port = listener.getsockname()[1]
+    # A file, not a pipe: nobody reads a pipe while the test runs, and a full one would
+    # block gunicorn's logging.
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
+    server = subprocess.Popen(
+        [sys.executable, "-m", "gunicorn", "-c", config, "--bind", f"fd://{listener.fileno()}"],
+        cwd=root,
+        env={**env, "GUNICORN_WORKERS": str(workers)},
+        pass_fds=(listener.fileno(),),
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+    )
+    listener.close()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        # Against a hang: each worker imports Django, about 10 s apiece on a machine whose
+        # Python ran ten times slower.
+        deadline = time.monotonic() + 120
+        while True:
+            assert time.monotonic() < deadline, "gunicorn did not start"
+            if server.poll() is not None:
+                log.seek(0)
+                raise AssertionError(log.read().decode(errors="replace")[-3000:])
+            try:
+                if requests.get(f"{base}/healthz", timeout=60).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.1)
+        while len(found := child_pids(server.pid)) < workers:  # the last may still be booting
+            assert time.monotonic() < deadline, f"gunicorn has workers {found}"
+            time.sleep(0.1)
+        yield base, server
+    finally:
+        server.terminate()
+        server.wait(30)
+        log.close()
