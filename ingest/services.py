@@ -22,7 +22,6 @@ from datetime import UTC, datetime, timedelta
 from typing import NamedTuple
 
 from django.conf import settings
-from django.core.cache import cache
 from django.db import (
     DatabaseError,
     IntegrityError,
@@ -41,6 +40,7 @@ from deliveries.models import Outbox
 from deliveries.policy import RetryPolicy
 from deliveries.sql import bound_cursor
 from deliveries.state import message_key
+from project import ratelimit
 from project.metrics import (
     INBOUND_HANDLER_DURATION,
     INBOUND_PROCESSED,
@@ -127,12 +127,12 @@ def source_create(
 
 def source_throttle(source: Source) -> int:
     """Seconds to wait if ``source`` is over its rate limit this second, else 0. Counted
-    per second in the cache (per web process with the default local-memory cache)."""
+    per second in the shared cache (project/ratelimit.py): the limit holds across every
+    web process and host."""
     if not source.rate_limit:
         return 0
-    key = f"ingest-rate:{source.id}:{int(time.time())}"
-    cache.add(key, 0, timeout=2)
-    return 1 if cache.incr(key) > source.rate_limit else 0
+    hits, _ = ratelimit.hit(f"ingest-rate:{source.id}", window=1.0)
+    return 1 if hits > source.rate_limit else 0
 
 
 def count_refusal(source: Source, reason: str, request=None, remote: str = "") -> None:

@@ -5,7 +5,7 @@ import pytest
 from django.core.checks import run_checks
 from django.db import connection
 
-from deliveries.checks import autovacuum_warnings, check_database_server
+from deliveries.checks import autovacuum_warnings, check_database_server, check_shared_cache
 
 
 def test_autovacuum_off_is_a_warning_that_names_the_database_and_the_fix():
@@ -35,3 +35,22 @@ def test_only_checks_given_databases_ask_the_server():
         (shown,) = cursor.fetchone()
     asked = [m.id for m in run_checks(databases=["default"])]
     assert ("deliveries.W001" in asked) == (shown == "off")
+
+
+@pytest.mark.parametrize(
+    ("backend", "warned"),
+    [
+        ("django.core.cache.backends.locmem.LocMemCache", True),
+        ("django.core.cache.backends.dummy.DummyCache", True),
+        ("django.core.cache.backends.filebased.FileBasedCache", True),
+        ("django.core.cache.backends.db.DatabaseCache", False),
+        ("django.core.cache.backends.redis.RedisCache", False),
+    ],
+)
+def test_a_cache_each_process_keeps_to_itself_is_a_warning(settings, backend, warned):
+    settings.CACHES = {"default": {"BACKEND": backend, "LOCATION": "/tmp/unused"}}
+    assert [w.id for w in check_shared_cache(None)] == (["deliveries.W002"] if warned else [])
+
+
+def test_the_default_cache_is_shared():
+    assert check_shared_cache(None) == []
