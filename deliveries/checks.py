@@ -96,6 +96,21 @@ def check_shared_cache(app_configs, **kwargs):
     ]
 
 
+@register(Tags.security, deploy=True)
+def check_metrics_access(app_configs, **kwargs):
+    """``check --deploy``: /metrics with neither a token nor an address refuses everyone,
+    Prometheus included (safe, but surely not meant)."""
+    if settings.METRICS_TOKEN or settings.METRICS_ALLOW_IPS:
+        return []
+    return [
+        Warning(
+            "Neither METRICS_TOKEN nor METRICS_ALLOW_IPS is set: /metrics refuses every scrape.",
+            hint="Set METRICS_TOKEN and give it to Prometheus (docs/observability.md).",
+            id="deliveries.W003",
+        )
+    ]
+
+
 @register(Tags.database)
 def check_database_server(app_configs, databases=None, **kwargs):
     """``manage.py check --database default`` (and ``migrate``): the server settings the

@@ -231,9 +231,11 @@ FAULT_INJECT_AT = env.str("FAULT_INJECT_AT", default="")
 FAULT_INJECT_AFTER = env.int("FAULT_INJECT_AFTER", default=1)
 
 # --- Metrics ------------------------------------------------------------------------
-# /metrics answers a Bearer METRICS_TOKEN, or requests from these addresses.
+# /metrics answers a Bearer METRICS_TOKEN, or requests from these addresses that no proxy
+# relayed (project/metrics.py). None by default: a proxy on the same host relays the
+# internet from loopback. With DEBUG (make run), loopback.
 METRICS_TOKEN = env.str("METRICS_TOKEN", default="")
-METRICS_ALLOW_IPS = env.list("METRICS_ALLOW_IPS", default=["127.0.0.1", "::1"])
+METRICS_ALLOW_IPS = env.list("METRICS_ALLOW_IPS", default=["127.0.0.1", "::1"] if DEBUG else [])
 # Database gauges are recomputed at most this often per process, each provider under a
 # statement timeout (milliseconds).
 METRICS_CACHE_SECONDS = env.float("METRICS_CACHE_SECONDS", default=10.0)

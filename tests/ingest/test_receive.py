@@ -419,7 +419,7 @@ def test_run_workers_processes_inbound_and_reprocess_is_audited(stripe, applied)
     assert AuditEntry.objects.get(action="inbound.reprocess").count == 1
 
 
-def test_refusals_are_a_prometheus_metric(stripe):
+def test_refusals_are_a_prometheus_metric(stripe, settings):
     from prometheus_client import REGISTRY
 
     def refused():
@@ -434,6 +434,7 @@ def test_refusals_are_a_prometheus_metric(stripe):
     post(stripe_event(), secret="whsec_wrong")
     post(stripe_event(), secret="whsec_wrong")
     assert refused() == before + 2
+    settings.METRICS_ALLOW_IPS = ["127.0.0.1"]  # the test client's address
     metrics = Client().get("/metrics")
     assert metrics.status_code == 200
     assert b'webhooks_inbound_refused_total{reason="bad_signature",source="stripe"}' in (
