@@ -33,8 +33,9 @@ test: $(VENV)/.dev-installed
 	echo "== ruff"; $(VENV)/bin/ruff check .; $(VENV)/bin/ruff format --check .; \
 	echo "== django checks"; $(PY) manage.py check; \
 	$(PY) manage.py check --database default; \
-	SECRET_KEY="$$(head -c 48 /dev/urandom | base64)" DEBUG=0 SECURE_SSL_REDIRECT=1 \
+	SECRET_KEY="$$(head -c 48 /dev/urandom | base64)" METRICS_TOKEN="$$(head -c 24 /dev/urandom | base64)" \
 	  SECRETS_ENCRYPTION_KEYS="$$(head -c 32 /dev/urandom | base64 | tr '+/' '-_')" \
+	  DEBUG=0 SECURE_SSL_REDIRECT=1 \
 	  SECURE_HSTS_SECONDS=31536000 SECURE_HSTS_INCLUDE_SUBDOMAINS=1 SECURE_HSTS_PRELOAD=1 \
 	  ALLOWED_HOSTS=example.com $(PY) manage.py check --deploy --fail-level WARNING; \
 	echo "== migrations"; $(PY) manage.py makemigrations --check --dry-run; \

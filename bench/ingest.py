@@ -10,7 +10,7 @@ One run (``python bench/ingest.py``):
 3. For each server in turn, never both at once: the trivial view
    (``bench/ingest_trivial.py``: ``project.settings`` with another URLconf) and the real
    one (``project.wsgi``), each a gunicorn started with ``project/gunicorn.conf.py`` and
-   the same ``GUNICORN_WORKERS`` sync workers:
+   the same ``GUNICORN_WORKERS`` worker processes (the shipped worker class):
 
    * a warm-up and a closed loop (``--closed-concurrency`` senders, ``--closed-seconds``)
      for the server's maximum throughput, as a cross-check;
@@ -251,7 +251,7 @@ class Generator:
 
 
 class Server:
-    """One gunicorn (master and its sync workers) serving one of ``SERVERS``."""
+    """One gunicorn (master and its worker processes) serving one of ``SERVERS``."""
 
     def __init__(self, name: str, *, workers: int, db_url: str, env: dict, logs: Path) -> None:
         self.name, self.workers, self.port = name, workers, free_port()
@@ -696,7 +696,7 @@ def markdown(result: dict) -> str:
             else f"**FAILED**: {s['five_xx']} 5xx, {s['stored_mismatches']} steps where "
             "stored events differ from accepted answers."
         ),
-        f"{result['cpu_count']} CPUs, gunicorn {result['gunicorn']['workers']} sync workers, "
+        f"{result['cpu_count']} CPUs, gunicorn {result['gunicorn']['workers']} workers, "
         f"steps of {result['args']['step_seconds']:g} s, half saturation for "
         f"{result['args']['half_seconds']:g} s.",
     ]
@@ -737,8 +737,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workers",
         type=int,
-        default=2 * (os.cpu_count() or 1) + 1,
-        help="GUNICORN_WORKERS (sync), both servers; default: the product's, 2 x cores + 1",
+        default=(os.cpu_count() or 1) + 1,
+        help="GUNICORN_WORKERS, both servers; default: the product's, cores + 1",
     )
     parser.add_argument(
         "--step", type=float, default=None, help="ramp step, req/s (200, less on a slow box)"
@@ -790,7 +790,13 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "versions": versions(db),
         "database": args.db_name,
-        "gunicorn": {"config": "project/gunicorn.conf.py", "workers": args.workers, "sync": True},
+        "gunicorn": {
+            "config": "project/gunicorn.conf.py",
+            "workers": args.workers,
+            "worker_class": os.environ.get(
+                "GUNICORN_WORKER_CLASS", "project.gunicorn_worker.ThreadWorker"
+            ),
+        },
         "server_env": server_env,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "targets": {"ratio": TARGET_RATIO, "half_saturation_p99_ms": TARGET_P99_MS},
@@ -809,7 +815,7 @@ def main(argv: list[str] | None = None) -> int:
             # Alternate the order, so that neither server always runs on a warmer machine.
             for name in names if i % 2 == 0 else names[::-1]:
                 print(
-                    f"[{i + 1}/{args.repeat}] {name}: gunicorn {args.workers} sync workers, "
+                    f"[{i + 1}/{args.repeat}] {name}: gunicorn {args.workers} workers, "
                     f"{SERVERS[name]}",
                     flush=True,
                 )

@@ -910,7 +910,7 @@ def markdown(result: dict) -> str:
         m = inb["median"]
         lines += [
             f"## Inbound, no-op handler (N = {inb['events']:,}, gunicorn "
-            f"{inb['gunicorn_workers']} sync workers)",
+            f"{inb['gunicorn_workers']} workers)",
             "",
             "| acknowledged/s | processed/s (from the first request to the last processed) "
             f"| processed/s, a stored backlog of {inb.get('backlog_events', 0):,} |",

@@ -115,6 +115,49 @@ def check_encryption_keys_set(app_configs, **kwargs):
     ]
 
 
+# Caches that each process (or each host) keeps to itself: a rate counted there is per
+# process. Django's Redis, memcached and database caches are shared.
+UNSHARED_CACHES = frozenset(
+    {
+        "django.core.cache.backends.locmem.LocMemCache",
+        "django.core.cache.backends.dummy.DummyCache",
+        "django.core.cache.backends.filebased.FileBasedCache",
+    }
+)
+
+
+@register(Tags.caches)
+def check_shared_cache(app_configs, **kwargs):
+    """The throttles count in the default cache (project/ratelimit.py)."""
+    backend = settings.CACHES.get("default", {}).get("BACKEND", "")
+    if backend not in UNSHARED_CACHES:
+        return []
+    return [
+        Warning(
+            f"The default cache ({backend.rsplit('.', 1)[-1]}) is not shared between "
+            "processes and hosts: each gunicorn process would allow the whole API and "
+            "inbound rate limits.",
+            hint="Leave CACHE_URL unset (the database cache) or point it at Redis.",
+            id="deliveries.W002",
+        )
+    ]
+
+
+@register(Tags.security, deploy=True)
+def check_metrics_access(app_configs, **kwargs):
+    """``check --deploy``: /metrics with neither a token nor an address refuses everyone,
+    Prometheus included (safe, but surely not meant)."""
+    if settings.METRICS_TOKEN or settings.METRICS_ALLOW_IPS:
+        return []
+    return [
+        Warning(
+            "Neither METRICS_TOKEN nor METRICS_ALLOW_IPS is set: /metrics refuses every scrape.",
+            hint="Set METRICS_TOKEN and give it to Prometheus (docs/observability.md).",
+            id="deliveries.W003",
+        )
+    ]
+
+
 @register(Tags.database)
 def check_database_server(app_configs, databases=None, **kwargs):
     """``manage.py check --database default`` (and ``migrate``): the server settings the

@@ -86,6 +86,11 @@ class InboundEvent(models.Model):
     )
     # The provider's id, the dedupe key. For a rejected body it is a hash of the body.
     event_id = models.CharField(max_length=255)
+    # The second dedupe key, for schemes that do not sign the event id (GitHub, Shopify,
+    # an HMAC source whose id header is not in the signed template): SHA-256 of the
+    # signed body, hex, so that a genuine body replayed under a fresh id is a duplicate.
+    # Null for the others (their id cannot be changed without breaking the signature).
+    body_sha256 = models.CharField(max_length=64, null=True, blank=True)  # noqa: DJ001 (null: no key)
     event_type = models.CharField(max_length=200, blank=True)
     entity_id = models.CharField(max_length=300, blank=True)
     occurred_at = models.DateTimeField(null=True, blank=True)
@@ -110,6 +115,13 @@ class InboundEvent(models.Model):
     class Meta:
         constraints = [
             models.UniqueConstraint(fields=["source", "event_id"], name="inbound_source_event"),
+            # The receive view's insert: a copy of a stored body is a duplicate, whatever
+            # id it came with (ON CONFLICT DO NOTHING covers both keys).
+            models.UniqueConstraint(
+                fields=["source", "body_sha256"],
+                condition=Q(body_sha256__isnull=False),
+                name="inbound_source_body",
+            ),
             models.CheckConstraint(
                 condition=Q(state__in=InboundState.values), name="inbound_state_valid"
             ),

@@ -264,6 +264,10 @@ class Scheme:
     name: ClassVar[str]
     content_types: ClassVar[tuple[str, ...]] = (_JSON,)
     algorithm: str = "sha256"
+    # Whether the event id ``extract`` returns is covered by the signature (in the signed
+    # body or the signed content). When it is not, anyone holding one genuine request can
+    # resend it under a fresh id; the receive view then dedupes on the body's hash too.
+    signs_event_id: bool = True
 
     def __init__(self, **options: Any) -> None:
         if options:
@@ -478,8 +482,8 @@ class Stripe(Scheme):
 
 class GitHub(Scheme):
     """GitHub: ``X-Hub-Signature-256: sha256=<hex>`` over the raw body; no timestamp, so
-    no replay window (dedupe on the delivery id is the only replay defence; a redelivery
-    keeps its id).
+    no replay window. The delivery id is not signed: dedupe is on the id (a redelivery
+    keeps it) and on the body's hash.
 
     Meta: ``event_id`` = ``X-GitHub-Delivery``; ``event_type`` = ``X-GitHub-Event``, plus
     ``.<action>`` when the body has one (``issues.opened``); ``occurred_at`` = None (the
@@ -488,6 +492,7 @@ class GitHub(Scheme):
     """
 
     name = "github"
+    signs_event_id = False
 
     def _offered(self, request: Request) -> tuple[list[bytes], str | None, bytes]:
         header = _signature_header(request, "x-hub-signature-256")
@@ -528,7 +533,8 @@ class GitHub(Scheme):
 
 class Shopify(Scheme):
     """Shopify: ``X-Shopify-Hmac-SHA256: <base64>`` over the raw body; no timestamp.
-    Shopify can take up to an hour to switch to a rotated secret, so keep both.
+    Shopify can take up to an hour to switch to a rotated secret, so keep both. The
+    webhook id is not signed: dedupe is on the id and on the body's hash.
 
     Meta: ``event_id`` = ``X-Shopify-Webhook-Id``; ``event_type`` = ``X-Shopify-Topic``;
     ``occurred_at`` = ``X-Shopify-Triggered-At``; ``entity_id`` = body ``id`` (the order,
@@ -536,6 +542,7 @@ class Shopify(Scheme):
     """
 
     name = "shopify"
+    signs_event_id = False
 
     def _offered(self, request: Request) -> tuple[list[bytes], str | None, bytes]:
         mac = _decode_base64(_signature_header(request, "x-shopify-hmac-sha256"))
@@ -719,6 +726,9 @@ class GenericHmac(Scheme):
         if self.encoding not in self.ENCODINGS:
             raise ValueError(f"unknown encoding {self.encoding!r}; use one of {self.ENCODINGS}")
         self._template = self._split_template(self.signed_template)
+        # An id from the body is signed with it; one from a header only if the template
+        # puts it in the signed content.
+        self.signs_event_id = not self.id_header or "{id}" in self.signed_template
         self._digest_size = hashlib.new(self.algorithm).digest_size
 
     def _split_template(self, template: str) -> tuple[str, str]:

@@ -22,7 +22,6 @@ from datetime import UTC, datetime, timedelta
 from typing import NamedTuple
 
 from django.conf import settings
-from django.core.cache import cache
 from django.db import (
     DatabaseError,
     IntegrityError,
@@ -42,6 +41,7 @@ from deliveries.models import Outbox
 from deliveries.policy import RetryPolicy
 from deliveries.sql import bound_cursor
 from deliveries.state import message_key
+from project import ratelimit
 from project.metrics import (
     INBOUND_HANDLER_DURATION,
     INBOUND_PROCESSED,
@@ -124,12 +124,12 @@ def source_create(
 
 def source_throttle(source: Source) -> int:
     """Seconds to wait if ``source`` is over its rate limit this second, else 0. Counted
-    per second in the cache (per web process with the default local-memory cache)."""
+    per second in the shared cache (project/ratelimit.py): the limit holds across every
+    web process and host."""
     if not source.rate_limit:
         return 0
-    key = f"ingest-rate:{source.id}:{int(time.time())}"
-    cache.add(key, 0, timeout=2)
-    return 1 if cache.incr(key) > source.rate_limit else 0
+    hits, _ = ratelimit.hit(f"ingest-rate:{source.id}", window=1.0)
+    return 1 if hits > source.rate_limit else 0
 
 
 def count_refusal(source: Source, reason: str, request=None, remote: str = "") -> None:
@@ -262,6 +262,7 @@ def inbound_receive(*, source: Source, request: Request, remote: str = "") -> Re
         request=request,
         now=now,
         state=InboundState.ENQUEUED,
+        body_sha256=None if scheme.signs_event_id else hashlib.sha256(request.body).hexdigest(),
     )
     INBOUND_RECEIVED.labels(source.slug, str(duplicate).lower()).inc()
     # DEBUG, like a successful delivery attempt: the stored row is the record and the
@@ -285,15 +286,27 @@ def inbound_receive(*, source: Source, request: Request, remote: str = "") -> Re
 
 
 def _insert(
-    source, *, event_id, event_type, entity_id, occurred_at, request, now, state, error=""
+    source,
+    *,
+    event_id,
+    event_type,
+    entity_id,
+    occurred_at,
+    request,
+    now,
+    state,
+    error="",
+    body_sha256=None,
 ) -> tuple[uuid.UUID, bool]:
     """Store the event (and, if it is to be processed, its outbox row) unless the source
-    has it already; a copy counts as a duplicate. Returns the stored id and whether it
-    was a duplicate."""
+    has it already: the same ``event_id``, or the same ``body_sha256`` when given (the
+    second key, for schemes that do not sign the id). A copy counts as a duplicate on
+    the stored row. Returns the stored id and whether it was a duplicate."""
     fields = {
         "id": uuid7(),
         "source_id": source.id,
         "event_id": event_id,
+        "body_sha256": body_sha256,
         "event_type": event_type[:200],
         "entity_id": entity_id[:300],
         "occurred_at": occurred_at,
@@ -312,24 +325,28 @@ def _insert(
         inserted = _insert_portable(fields, now, with_job=state == InboundState.ENQUEUED)
     if inserted:
         return fields["id"], False
-    existing = InboundEvent.objects.filter(source=source, event_id=event_id)
-    existing.update(duplicates=F("duplicates") + 1, last_duplicate_at=now)
-    return existing.values_list("id", flat=True).first(), True
+    stored = InboundEvent.objects.filter(source=source)
+    found = stored.filter(event_id=event_id).values_list("id", flat=True).first()
+    if found is None and body_sha256 is not None:
+        found = stored.filter(body_sha256=body_sha256).values_list("id", flat=True).first()
+    stored.filter(id=found).update(duplicates=F("duplicates") + 1, last_duplicate_at=now)
+    return found, True
 
 
 # The event and its processing job in one statement: insert-or-nothing on
-# UNIQUE(source, event_id) (a concurrent copy waits for the first and then inserts
-# nothing), and the outbox row only for an event actually inserted. The message key is
-# deliveries.state.message_key(id, 1, "inbound").
+# UNIQUE(source, event_id) and on the partial UNIQUE(source, body_sha256) (no conflict
+# target: either key makes a copy; a concurrent copy waits for the first and then
+# inserts nothing), and the outbox row only for an event actually inserted. The message
+# key is deliveries.state.message_key(id, 1, "inbound").
 _INSERT_SQL = """
 WITH new AS (
-    INSERT INTO ingest_inboundevent (id, source_id, event_id, event_type, entity_id,
-        occurred_at, body, headers, state, received_at, duplicates, next_attempt_at,
-        attempt_count, dispatch_count, enqueued_at, last_error)
-    VALUES (%(id)s, %(source_id)s, %(event_id)s, %(event_type)s, %(entity_id)s,
-        %(occurred_at)s, %(body)s, %(headers)s, %(state)s, %(received_at)s, 0,
-        %(next_attempt_at)s, 0, %(dispatch_count)s, %(enqueued_at)s, %(last_error)s)
-    ON CONFLICT (source_id, event_id) DO NOTHING
+    INSERT INTO ingest_inboundevent (id, source_id, event_id, body_sha256, event_type,
+        entity_id, occurred_at, body, headers, state, received_at, duplicates,
+        next_attempt_at, attempt_count, dispatch_count, enqueued_at, last_error)
+    VALUES (%(id)s, %(source_id)s, %(event_id)s, %(body_sha256)s, %(event_type)s,
+        %(entity_id)s, %(occurred_at)s, %(body)s, %(headers)s, %(state)s, %(received_at)s,
+        0, %(next_attempt_at)s, 0, %(dispatch_count)s, %(enqueued_at)s, %(last_error)s)
+    ON CONFLICT DO NOTHING
     RETURNING id
 ), job AS (
     INSERT INTO deliveries_outbox (message_key, kind, ref_id, dispatch, priority, created_at)

@@ -1,28 +1,36 @@
-"""gunicorn settings; every value can be overridden with GUNICORN_* environment variables."""
+"""gunicorn settings; every value can be overridden with GUNICORN_* environment variables.
+
+The worker is gunicorn's threaded worker with read deadlines (project/gunicorn_worker.py):
+a slow client holds one thread for a bounded time, never a whole process, and a process
+whose threads are all busy leaves new connections to the others. docs/deployment.md
+("Serving") has the numbers and the proxy to put in front.
+"""
 
 import multiprocessing
 import os
 
+from project.gunicorn_worker import start_body
+
 bind = os.environ.get("GUNICORN_BIND", "127.0.0.1:8000")
-workers = int(os.environ.get("GUNICORN_WORKERS", multiprocessing.cpu_count() * 2 + 1))
-threads = int(os.environ.get("GUNICORN_THREADS", "1"))
+worker_class = os.environ.get("GUNICORN_WORKER_CLASS", "project.gunicorn_worker.ThreadWorker")
+# Processes: one per core for the CPU, one more for the GIL's pauses. Threads: what a
+# process can have waiting at once (on the database, or on a slow client's bytes). Each
+# thread keeps its own database connection: workers x threads per host.
+workers = int(os.environ.get("GUNICORN_WORKERS", multiprocessing.cpu_count() + 1))
+threads = int(os.environ.get("GUNICORN_THREADS", "8"))
+# With threads this is the heartbeat: a process whose main loop stalls this long is
+# replaced. Slow requests are bounded by the read deadlines instead (GUNICORN_READ_TIMEOUT
+# each wait, GUNICORN_HEADER_TIMEOUT the headers, GUNICORN_BODY_TIMEOUT the body).
 timeout = int(os.environ.get("GUNICORN_TIMEOUT", "30"))
 graceful_timeout = int(os.environ.get("GUNICORN_GRACEFUL_TIMEOUT", "30"))
 keepalive = int(os.environ.get("GUNICORN_KEEPALIVE", "5"))
-# Seconds a request body may stall between two reads (nginx's client_body_timeout). A
-# client that stops sending mid-body gets 408 from the receive view instead of holding a
-# worker until ``timeout`` kills it. It bounds each wait, not the whole body; a client
-# trickling under it is stopped by ``timeout``; a buffering proxy in front stops both.
-body_read_timeout = float(os.environ.get("GUNICORN_READ_TIMEOUT", "10"))
 accesslog = os.environ.get("GUNICORN_ACCESSLOG") or None
 wsgi_app = "project.wsgi:application"
 
 
 def pre_request(worker, req):
-    """Bound every read of this request's body (see ``body_read_timeout``)."""
-    sock = getattr(req.unreader, "sock", None)
-    if sock is not None:
-        sock.settimeout(body_read_timeout)
+    """The body's read deadline starts once the headers are in."""
+    start_body(req)
 
 
 def post_worker_init(worker):

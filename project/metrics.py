@@ -225,11 +225,20 @@ DATABASE_COLLECTOR = DatabaseCollector()
 # --- The view --------------------------------------------------------------------------
 
 
+# Headers a proxy adds to what it relays. A relayed request's REMOTE_ADDR is the proxy's
+# (loopback, for one on the same host), not the client's.
+PROXY_HEADERS = ("X-Forwarded-For", "Forwarded", "X-Real-IP")
+
+
 def _allowed(request) -> bool:
+    """A Bearer METRICS_TOKEN, or an address in METRICS_ALLOW_IPS on a request that no
+    proxy relayed."""
     token = settings.METRICS_TOKEN
     offered = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
     if token and hmac.compare_digest(offered.encode(), token.encode()):
         return True
+    if any(name in request.headers for name in PROXY_HEADERS):
+        return False
     return request.META.get("REMOTE_ADDR") in settings.METRICS_ALLOW_IPS
 
 
@@ -249,7 +258,8 @@ def render() -> bytes:
 
 
 def metrics_view(request):
-    """``/metrics``: allowed for a Bearer METRICS_TOKEN, or from METRICS_ALLOW_IPS."""
+    """``/metrics``: allowed for a Bearer METRICS_TOKEN, or from METRICS_ALLOW_IPS
+    directly (docs/observability.md, "Scraping /metrics")."""
     if not _allowed(request):
         return HttpResponseForbidden("forbidden\n", content_type="text/plain")
     return HttpResponse(render(), content_type=CONTENT_TYPE_LATEST)

@@ -118,6 +118,26 @@ elif DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
+# --- Cache ------------------------------------------------------------------------------
+# The throttles count here (project/ratelimit.py), so every web process and host must
+# share it: a per-process cache (locmem) lets each gunicorn process have the whole rate.
+# CACHE_URL in django-environ's form (rediscache://127.0.0.1:6379/1, Django's Redis
+# backend); unset, the database cache, whose table deliveries' migrations create.
+# deliveries.W002 warns about a cache that is not shared.
+CACHE_URL = env.str("CACHE_URL", default="")
+if CACHE_URL:
+    CACHES = {"default": env.cache("CACHE_URL")}
+else:
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.db.DatabaseCache",
+            "LOCATION": "webhooks_cache",
+            # Culling past MAX_ENTRIES (300 by Django's default) would delete live
+            # counters and so reset rates; expired rows are deleted on the way anyway.
+            "OPTIONS": {"MAX_ENTRIES": 100_000},
+        }
+    }
+
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
@@ -225,9 +245,11 @@ FAULT_INJECT_AT = env.str("FAULT_INJECT_AT", default="")
 FAULT_INJECT_AFTER = env.int("FAULT_INJECT_AFTER", default=1)
 
 # --- Metrics ------------------------------------------------------------------------
-# /metrics answers a Bearer METRICS_TOKEN, or requests from these addresses.
+# /metrics answers a Bearer METRICS_TOKEN, or requests from these addresses that no proxy
+# relayed (project/metrics.py). None by default: a proxy on the same host relays the
+# internet from loopback. With DEBUG (make run), loopback.
 METRICS_TOKEN = env.str("METRICS_TOKEN", default="")
-METRICS_ALLOW_IPS = env.list("METRICS_ALLOW_IPS", default=["127.0.0.1", "::1"])
+METRICS_ALLOW_IPS = env.list("METRICS_ALLOW_IPS", default=["127.0.0.1", "::1"] if DEBUG else [])
 # Database gauges are recomputed at most this often per process, each provider under a
 # statement timeout (milliseconds).
 METRICS_CACHE_SECONDS = env.float("METRICS_CACHE_SECONDS", default=10.0)

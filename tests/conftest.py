@@ -1,5 +1,7 @@
 import asyncio
+import contextlib
 import threading
+import time
 
 import pytest
 from django.db import connection
@@ -201,14 +203,16 @@ def commands(tmp_path):
 def scrape(*, fresh: bool = True, **client) -> dict:
     """{(sample name, sorted label items): value} from the real /metrics view; ``fresh``
     recomputes the database gauges instead of reading the cached ones."""
-    from django.test import Client
+    from django.test import Client, override_settings
     from prometheus_client.parser import text_string_to_metric_families
 
     from project import metrics
 
     if fresh:
         metrics.DATABASE_COLLECTOR.clear()
-    response = Client(**client).get("/metrics")
+    # As an allow-listed Prometheus on the same host: no address is allowed by default.
+    with override_settings(METRICS_ALLOW_IPS=["127.0.0.1"]):
+        response = Client(**client).get("/metrics")
     assert response.status_code == 200, response.content
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -219,3 +223,60 @@ def scrape(*, fresh: bool = True, **client) -> dict:
 
 def value(samples: dict, name: str, **labels) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@contextlib.contextmanager
+def gunicorn_server(env: dict[str, str], *, workers: int, config: str = "project/gunicorn.conf.py"):
+    """The real gunicorn with ``config`` (the shipped one by default) and ``workers``
+    processes on a free port, every worker up; yields (base URL, the master's Popen)."""
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    import requests
+
+    from bench.outbound import child_pids
+
+    root = Path(__file__).resolve().parent.parent
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    port = listener.getsockname()[1]
+    # A file, not a pipe: nobody reads a pipe while the test runs, and a full one would
+    # block gunicorn's logging.
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in the finally below
+    server = subprocess.Popen(
+        [sys.executable, "-m", "gunicorn", "-c", config, "--bind", f"fd://{listener.fileno()}"],
+        cwd=root,
+        env={**env, "GUNICORN_WORKERS": str(workers)},
+        pass_fds=(listener.fileno(),),
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+    )
+    listener.close()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        # Against a hang: each worker imports Django, about 10 s apiece on a machine whose
+        # Python ran ten times slower.
+        deadline = time.monotonic() + 120
+        while True:
+            assert time.monotonic() < deadline, "gunicorn did not start"
+            if server.poll() is not None:
+                log.seek(0)
+                raise AssertionError(log.read().decode(errors="replace")[-3000:])
+            try:
+                if requests.get(f"{base}/healthz", timeout=60).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.1)
+        while len(found := child_pids(server.pid)) < workers:  # the last may still be booting
+            assert time.monotonic() < deadline, f"gunicorn has workers {found}"
+            time.sleep(0.1)
+        yield base, server
+    finally:
+        server.terminate()
+        server.wait(30)
+        log.close()

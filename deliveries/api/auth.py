@@ -7,6 +7,8 @@ from django.utils import timezone
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication, exceptions, permissions, throttling
 
+from project import ratelimit
+
 from ..models import ApiKey, Tenant
 from ..services import hash_api_key
 
@@ -55,7 +57,11 @@ class IsTenant(permissions.BasePermission):
 
 
 class ApiKeyThrottle(throttling.SimpleRateThrottle):
-    """Requests per API key (``API_THROTTLE_RATE``), answered 429 with Retry-After."""
+    """Requests per API key (``API_THROTTLE_RATE``), answered 429 with Retry-After.
+
+    Counted in fixed windows in the shared cache (project/ratelimit.py), so the rate holds
+    for the key across every web process and host. DRF's own throttle keeps a list of
+    request times per key and writes it back, which loses concurrent requests."""
 
     scope = "api_key"
 
@@ -63,6 +69,22 @@ class ApiKeyThrottle(throttling.SimpleRateThrottle):
         if isinstance(request.user, TenantPrincipal):
             return self.cache_format % {"scope": self.scope, "ident": request.user.api_key_id}
         return None
+
+    def allow_request(self, request, view):
+        self._wait = None
+        if self.rate is None:
+            return True
+        key = self.get_cache_key(request, view)
+        if key is None:
+            return True
+        hits, window_left = ratelimit.hit(key, window=self.duration)
+        if hits <= self.num_requests:
+            return True
+        self._wait = window_left
+        return False
+
+    def wait(self):
+        return self._wait
 
 
 class ApiKeyScheme(OpenApiAuthenticationExtension):

@@ -4,7 +4,7 @@
 """
 
 from django.core.exceptions import ValidationError as DjangoValidationError
-from django.http import Http404
+from django.http import Http404, UnreadablePostError
 from rest_framework import exceptions
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
@@ -22,6 +22,10 @@ def error_response(code: str, message: str, http_status: int, details=None, head
 def exception_handler(exc, context):
     if isinstance(exc, DomainError):
         return error_response(exc.code, exc.message, exc.status)
+    if isinstance(exc, UnreadablePostError):
+        # The body stopped arriving: the server's read deadline passed (project/
+        # gunicorn_worker.py) or the client went away. The client's doing, not a 500.
+        return error_response("request_timeout", "The body did not arrive in time.", 408)
     if isinstance(exc, Http404 | DjangoValidationError):
         exc = exceptions.NotFound()
     response = drf_exception_handler(exc, context)

@@ -5,7 +5,12 @@ import pytest
 from django.core.checks import run_checks
 from django.db import connection
 
-from deliveries.checks import autovacuum_warnings, check_database_server
+from deliveries.checks import (
+    autovacuum_warnings,
+    check_database_server,
+    check_metrics_access,
+    check_shared_cache,
+)
 
 
 def test_autovacuum_off_is_a_warning_that_names_the_database_and_the_fix():
@@ -58,3 +63,31 @@ def test_a_heartbeat_period_that_is_not_positive_is_refused(settings):
     for period in (0, -1.0):
         settings.LOOP_HEARTBEAT_SECONDS = period
         assert "deliveries.E008" in [e.id for e in check_delivery_settings(None)]
+
+
+@pytest.mark.parametrize(
+    ("backend", "warned"),
+    [
+        ("django.core.cache.backends.locmem.LocMemCache", True),
+        ("django.core.cache.backends.dummy.DummyCache", True),
+        ("django.core.cache.backends.filebased.FileBasedCache", True),
+        ("django.core.cache.backends.db.DatabaseCache", False),
+        ("django.core.cache.backends.redis.RedisCache", False),
+    ],
+)
+def test_a_cache_each_process_keeps_to_itself_is_a_warning(settings, backend, warned):
+    settings.CACHES = {"default": {"BACKEND": backend, "LOCATION": "/tmp/unused"}}
+    assert [w.id for w in check_shared_cache(None)] == (["deliveries.W002"] if warned else [])
+
+
+def test_the_default_cache_is_shared():
+    assert check_shared_cache(None) == []
+
+
+def test_metrics_open_to_no_one_is_a_deploy_warning(settings):
+    settings.METRICS_TOKEN, settings.METRICS_ALLOW_IPS = "", []
+    assert [w.id for w in check_metrics_access(None)] == ["deliveries.W003"]
+    settings.METRICS_TOKEN = "t"
+    assert check_metrics_access(None) == []
+    settings.METRICS_TOKEN, settings.METRICS_ALLOW_IPS = "", ["10.0.0.7"]
+    assert check_metrics_access(None) == []

@@ -2,10 +2,6 @@
 every web worker and from a separate scheduler process reach one scrape."""
 
 import json
-import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -21,7 +17,7 @@ from deliveries import services, state
 from deliveries.loops import scheduler_tick
 from deliveries.models import Delivery
 from ingest.services import source_create
-from tests.conftest import manage, subprocess_env
+from tests.conftest import gunicorn_server, manage, subprocess_env
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -76,55 +72,17 @@ def test_counters_of_every_process_reach_one_scrape(tmp_path, tenant, make_endpo
         PROMETHEUS_MULTIPROC_DIR=str(multiproc),
         METRICS_TOKEN=TOKEN,
         METRICS_ALLOW_IPS="",
-        GUNICORN_WORKERS="2",
     )
     # The scheduler, another process, expires the lease: its counter lands in the dir.
     done = manage("run_scheduler", "--once", env=env)
     assert done.returncode == 0, done.stderr
     assert "lease_expired=1" in done.stdout
 
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(64)
-    port = listener.getsockname()[1]
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gunicorn",
-            "-c",
-            "project/gunicorn.conf.py",
-            "--bind",
-            f"fd://{listener.fileno()}",
-        ],
-        cwd=ROOT,
-        env=env,
-        pass_fds=(listener.fileno(),),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    listener.close()
-    base = f"http://127.0.0.1:{port}"
-    try:
-        # Against a hang: two gunicorn workers each import Django, about 10 s apiece on a
-        # machine whose Python ran ten times slower.
-        deadline = time.monotonic() + 120
-        while True:
-            assert time.monotonic() < deadline, "gunicorn did not start"
-            assert server.poll() is None, server.stderr.read().decode()
-            try:
-                if _get(f"{base}/healthz")[0] == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.1)
-
+    with gunicorn_server(env, workers=2) as (base, server):
+        workers = child_pids(server.pid)
+        assert len(workers) == 2, workers
         # Refused requests, 8 at a time, until each of the two web workers has counted
         # some in its own file (which worker takes a request is the kernel's choice).
-        while len(workers := child_pids(server.pid)) < 2:  # the second may still be booting
-            assert time.monotonic() < deadline, f"gunicorn has workers {workers}"
-            time.sleep(0.1)
-        assert len(workers) == 2, workers
         body = json.dumps({"id": "evt_1", "object": "event", "type": "x"}).encode()
         statuses: list[int] = []
         with ThreadPoolExecutor(8) as pool:
@@ -141,9 +99,6 @@ def test_counters_of_every_process_reach_one_scrape(tmp_path, tenant, make_endpo
         assert _get(f"{base}/metrics")[0] == 403  # no token, no allowed address
         status, text = _get(f"{base}/metrics", Authorization=f"Bearer {TOKEN}")
         assert status == 200
-    finally:
-        server.terminate()
-        server.wait(30)
 
     samples = _samples(text)
     refused = {"source": "mp", "reason": "malformed_signature"}

@@ -419,7 +419,7 @@ def test_run_workers_processes_inbound_and_reprocess_is_audited(stripe, applied)
     assert AuditEntry.objects.get(action="inbound.reprocess").count == 1
 
 
-def test_refusals_are_a_prometheus_metric(stripe):
+def test_refusals_are_a_prometheus_metric(stripe, settings):
     from prometheus_client import REGISTRY
 
     def refused():
@@ -434,6 +434,7 @@ def test_refusals_are_a_prometheus_metric(stripe):
     post(stripe_event(), secret="whsec_wrong")
     post(stripe_event(), secret="whsec_wrong")
     assert refused() == before + 2
+    settings.METRICS_ALLOW_IPS = ["127.0.0.1"]  # the test client's address
     metrics = Client().get("/metrics")
     assert metrics.status_code == 200
     assert b'webhooks_inbound_refused_total{reason="bad_signature",source="stripe"}' in (
@@ -662,3 +663,107 @@ def test_a_worker_that_dies_between_its_take_and_the_lease_leaves_the_event_late
 
     assert InboundEvent.objects.get().state == "processed"
     assert [e[0] for e in applied] == ["evt_1"]
+
+
+# --- Replays under a fresh id ------------------------------------------------------------
+
+# Sources whose event id is not signed (GitHub's delivery header, Shopify's webhook id, an
+# HMAC id header the template leaves out), and the secret each is created with.
+UNSIGNED_ID_SOURCES = {
+    "github": ({}, "gh-secret"),
+    "shopify": ({}, "shopify-secret"),
+    "hmac": ({"id_header": "x-event-id"}, "hmac-secret"),
+}
+SIGNED_ID_SOURCES = {
+    "standard": ({}, "whsec_" + "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"),
+    "hmac": ({"id_header": "x-event-id", "signed_template": "{id}.{body}"}, "hmac-secret"),
+}
+
+
+def _post_as(scheme: str, options: dict, secret: str, body: bytes, event_id: str, **headers):
+    """``body`` signed by ``scheme`` with ``event_id`` where the scheme carries one in a
+    header; ``headers`` replace the signed ones (a replay under another id)."""
+    signed = get_scheme(scheme, options or None).sign(body=body, secret=secret, event_id=event_id)
+    signed.update(headers)
+    extra = {f"HTTP_{k.upper().replace('-', '_')}": v for k, v in signed.items()}
+    extra.pop("HTTP_CONTENT_TYPE", None)
+    return Client().post(f"/ingest/{scheme}/", body, content_type="application/json", **extra)
+
+
+def _id_header(scheme: str, options: dict) -> str:
+    return {"github": "x-github-delivery", "shopify": "x-shopify-webhook-id"}.get(
+        scheme, options.get("id_header", "")
+    )
+
+
+@pytest.mark.parametrize("scheme", list(UNSIGNED_ID_SOURCES))
+def test_a_genuine_body_replayed_under_a_fresh_unsigned_id_is_a_duplicate(scheme):
+    options, secret = UNSIGNED_ID_SOURCES[scheme]
+    source_create(slug=scheme, scheme=scheme, secrets=[secret], options=options)
+    body = json.dumps({"id": 1, "action": "opened", "note": "pay 100"}).encode()
+    first = _post_as(scheme, options, secret, body, "delivery-1")
+    assert first.json()["status"] == "accepted"
+
+    # The captured request, signature and all, resent under new ids.
+    replays = [
+        _post_as(
+            scheme,
+            options,
+            secret,
+            body,
+            "delivery-1",
+            **{_id_header(scheme, options): f"forged-{i}"},
+        )
+        for i in range(3)
+    ]
+
+    assert [(r.status_code, r.json()["status"]) for r in replays] == [(200, "duplicate")] * 3
+    assert {r.json()["id"] for r in replays} == {first.json()["id"]}
+    event = InboundEvent.objects.get()
+    assert (event.event_id, event.duplicates) == ("delivery-1", 3)
+    # A different body under its own id is a new event.
+    other = _post_as(scheme, options, secret, body.replace(b"100", b"101"), "delivery-2")
+    assert other.json()["status"] == "accepted"
+    assert InboundEvent.objects.count() == 2
+
+
+@pytest.mark.parametrize("scheme", list(UNSIGNED_ID_SOURCES))
+def test_concurrent_replays_under_fresh_ids_store_the_body_once(scheme):
+    options, secret = UNSIGNED_ID_SOURCES[scheme]
+    source_create(slug=scheme, scheme=scheme, secrets=[secret], options=options)
+    body = json.dumps({"id": 7}).encode()
+    barrier = threading.Barrier(10)
+    statuses: list[str] = []
+
+    def send(i: int):
+        try:
+            barrier.wait()
+            statuses.append(
+                _post_as(scheme, options, secret, body, f"delivery-{i}").json()["status"]
+            )
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    assert sorted(statuses) == ["accepted"] + ["duplicate"] * 9
+    assert InboundEvent.objects.get().duplicates == 9
+
+
+@pytest.mark.parametrize("scheme", list(SIGNED_ID_SOURCES))
+def test_a_signed_id_keeps_two_messages_with_one_body_apart(scheme):
+    # Where the id is signed, a second id on the same body is the provider's own doing
+    # (a forger cannot sign it): two events, and no second key stored.
+    options, secret = SIGNED_ID_SOURCES[scheme]
+    source_create(slug=scheme, scheme=scheme, secrets=[secret], options=options)
+    body = json.dumps({"id": "same", "type": "t", "data": {}}).encode()
+    answers = [_post_as(scheme, options, secret, body, f"msg_{i}").json()["status"] for i in (1, 2)]
+    assert answers == ["accepted", "accepted"]
+    assert sorted(InboundEvent.objects.values_list("event_id", flat=True)) == ["msg_1", "msg_2"]
+    assert not InboundEvent.objects.filter(body_sha256__isnull=False).exists()
+    # A replay of one of them, id and all, stays a duplicate on the id.
+    assert _post_as(scheme, options, secret, body, "msg_1").json()["status"] == "duplicate"

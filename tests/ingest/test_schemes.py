@@ -901,3 +901,20 @@ def test_parse_and_extract_raise_nothing_but_unparseable_body(scheme_id, headers
         return
     assert extracted.event_id
     assert extracted.occurred_at is None or extracted.occurred_at.tzinfo is UTC
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "signed"),
+    [
+        ("stripe", {}, True),  # the id is the body's
+        ("standard", {}, True),  # the id header is in the signed content
+        ("slack", {}, True),  # event_id / trigger_id are the body's
+        ("github", {}, False),  # X-GitHub-Delivery is outside the signature
+        ("shopify", {}, False),  # X-Shopify-Webhook-Id likewise
+        ("hmac", {}, True),  # id_field: the body's
+        ("hmac", {"id_header": "x-id"}, False),
+        ("hmac", {"id_header": "x-id", "signed_template": "{id}.{body}"}, True),
+    ],
+)
+def test_each_scheme_says_whether_its_event_id_is_signed(name, options, signed):
+    assert get_scheme(name, options or None).signs_event_id is signed

@@ -23,6 +23,14 @@ from tests.receiver import always
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
+@pytest.fixture(autouse=True)
+def _scraped_from_loopback(settings):
+    # The test client's requests come from 127.0.0.1, which no address list admits by
+    # default: these tests scrape as an allow-listed Prometheus on the same host would.
+    settings.METRICS_ALLOW_IPS = ["127.0.0.1"]
+
+
+
 def test_metrics_need_the_token_or_an_allowed_address(settings):
     settings.METRICS_TOKEN = "metrics-token-1234"
     outside = {"REMOTE_ADDR": "203.0.113.9"}
@@ -33,7 +41,26 @@ def test_metrics_need_the_token_or_an_allowed_address(settings):
     assert b"webhooks_deliveries" in ok.content
     settings.METRICS_TOKEN = ""
     assert Client(**outside, HTTP_AUTHORIZATION="Bearer ").get("/metrics").status_code == 403
-    assert Client().get("/metrics").status_code == 200  # 127.0.0.1 is allowed by default
+    assert Client().get("/metrics").status_code == 200  # 127.0.0.1 is in METRICS_ALLOW_IPS
+
+
+def test_with_no_address_allowed_loopback_needs_the_token_too(settings):
+    # The default outside DEBUG (tests/project/test_settings.py reads it).
+    settings.METRICS_ALLOW_IPS = []
+    settings.METRICS_TOKEN = "metrics-token-1234"
+    assert Client().get("/metrics").status_code == 403  # from 127.0.0.1, without the token
+    ok = Client().get("/metrics", HTTP_AUTHORIZATION="Bearer metrics-token-1234")
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("header", ["HTTP_X_FORWARDED_FOR", "HTTP_FORWARDED", "HTTP_X_REAL_IP"])
+def test_an_allowed_address_does_not_count_for_a_request_a_proxy_relayed(settings, header):
+    # A proxy on the same host relays the internet from 127.0.0.1.
+    settings.METRICS_TOKEN = "metrics-token-1234"
+    relayed = Client(**{header: "203.0.113.9"})
+    assert relayed.get("/metrics").status_code == 403
+    ok = relayed.get("/metrics", HTTP_AUTHORIZATION="Bearer metrics-token-1234")
+    assert ok.status_code == 200
 
 
 def test_deliveries_by_state_dead_letters_relay_lag_and_queue_depth(tenant, make_endpoint):

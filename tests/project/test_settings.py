@@ -44,3 +44,25 @@ def test_a_postgresql_url_prepares_the_hot_statements_unless_told_not_to():
         assert shown.returncode == 0, shown.stderr
         options = json.loads(shown.stdout.strip().splitlines()[-1])["OPTIONS"]
         assert options["prepare_threshold"] == expected
+
+
+def _metrics_allow_ips(**env: str) -> list[str]:
+    show = "from django.conf import settings; print(json.dumps(settings.METRICS_ALLOW_IPS))"
+    environ = {k: v for k, v in os.environ.items() if k not in ("DEBUG", "METRICS_ALLOW_IPS")}
+    shown = subprocess.run(
+        [sys.executable, "manage.py", "shell", "-c", f"import json; {show}"],
+        cwd=ROOT,
+        env={**environ, "LOG_LEVEL": "WARNING", **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shown.returncode == 0, shown.stderr
+    return json.loads(shown.stdout.strip().splitlines()[-1])
+
+
+def test_metrics_allow_no_address_by_default_and_loopback_only_under_debug():
+    # Behind a proxy on the same host every request comes from loopback.
+    assert _metrics_allow_ips() == []
+    assert _metrics_allow_ips(DEBUG="1") == ["127.0.0.1", "::1"]
+    assert _metrics_allow_ips(METRICS_ALLOW_IPS="10.0.0.7") == ["10.0.0.7"]

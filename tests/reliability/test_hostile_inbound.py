@@ -2,7 +2,7 @@
 
 ``tests/ingest/test_receive.py`` checks each refusal through Django's test client. Slow
 uploads, header floods and broken framing only exist on a socket, so here a real gunicorn
-(sync workers, the project's config, bound to an ephemeral port on 127.0.0.1 passed in as
+(the project's config and worker, bound to an ephemeral port on 127.0.0.1 passed in as
 a file descriptor) serves the test database, and raw sockets play the abusers:
 
 * one table of malformed requests, each with the status it must get;
@@ -43,6 +43,8 @@ SECRET = "whsec_test_secret"
 MAX_BODY = 64 * 1024
 READ_TIMEOUT = 1.0  # GUNICORN_READ_TIMEOUT: a stalled body gets 408 after this
 WORKER_TIMEOUT = 4  # GUNICORN_TIMEOUT: a worker held longer is killed and replaced
+# GUNICORN_HEADER_TIMEOUT and GUNICORN_BODY_TIMEOUT: a trickled request ends after this.
+READ_DEADLINE = 3
 WORKERS = 5
 
 
@@ -69,6 +71,8 @@ def gunicorn(tmp_path) -> Iterator[Gunicorn]:
         GUNICORN_TIMEOUT=str(WORKER_TIMEOUT),
         GUNICORN_GRACEFUL_TIMEOUT="2",
         GUNICORN_READ_TIMEOUT=str(READ_TIMEOUT),
+        GUNICORN_HEADER_TIMEOUT=str(READ_DEADLINE),
+        GUNICORN_BODY_TIMEOUT=str(READ_DEADLINE),
         DJANGO_SETTINGS_MODULE="project.settings",
     )
     log = tmp_path / "gunicorn.log"
@@ -300,8 +304,8 @@ def test_valid_signed_traffic_keeps_getting_200_while_the_server_is_abused(
     a steady sender posts valid signed events; every valid one gets 200 and is stored once.
 
     A stalled body is cut by the read timeout (408); a client trickling under it, or
-    trickling its headers, holds a sync worker until the worker timeout kills it (so it
-    never gets a 2xx and the worker is replaced). The other workers keep serving.
+    trickling its headers, holds one thread until its read deadline (so it never gets a
+    2xx). The other threads and workers keep serving.
     """
     stop = threading.Event()
     valid: list[tuple[int, float]] = []
