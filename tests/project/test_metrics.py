@@ -30,7 +30,6 @@ def _scraped_from_loopback(settings):
     settings.METRICS_ALLOW_IPS = ["127.0.0.1"]
 
 
-
 def test_metrics_need_the_token_or_an_allowed_address(settings):
     settings.METRICS_TOKEN = "metrics-token-1234"
     outside = {"REMOTE_ADDR": "203.0.113.9"}
