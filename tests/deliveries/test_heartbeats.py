@@ -43,6 +43,7 @@ FINITE = {
     "install_schedules",
     "prune",
     "replay",
+    "rotate_encryption_keys",
     "seed_demo",
 }
 

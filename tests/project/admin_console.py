@@ -18,6 +18,7 @@ from deliveries.models import (
     ApiKey,
     Attempt,
     Delivery,
+    EgressAllowance,
     EndpointSecret,
     EventType,
     LoopRun,
@@ -52,6 +53,7 @@ def console_data() -> Console:
     console.secrets.add(secret)
     _, key = services.api_key_create(tenant=tenant, name="ci")
     console.secrets.add(key)
+    EgressAllowance.objects.create(tenant=tenant, network="10.20.0.0/16", note="their VPN")
     EventType.objects.create(name="invoice.paid", owner="billing", replay_safe=True)
     EventType.objects.create(name="payment.requested", owner="billing")
     for event_type in ("invoice.paid", "payment.requested", "user.created"):
@@ -114,9 +116,10 @@ def console_data() -> Console:
     if OrmQ in admin.site._registry:
         OrmQ.objects.create(key="webhooks", payload="x", lock=now)
     Group.objects.create(name="operators").permissions.set(Permission.objects.all()[:3])
-    console.secrets.update(EndpointSecret.objects.values_list("secret", flat=True))
-    console.secrets.update(SourceSecret.objects.values_list("secret", flat=True))
-    console.secrets.update(PollSource.objects.values_list("auth_secret", flat=True))
+    # Stored encrypted: the clear values are what a page must never show.
+    console.secrets.update(s.secret for s in EndpointSecret.objects.all())
+    console.secrets.update(s.secret for s in SourceSecret.objects.all())
+    console.secrets.update(p.auth_secret for p in PollSource.objects.all())
     console.secrets.update(ApiKey.objects.values_list("key_hash", flat=True))
     return console
 
