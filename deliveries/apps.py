@@ -6,7 +6,7 @@ class DeliveriesConfig(AppConfig):
     verbose_name = "Outbound webhooks"
 
     def ready(self) -> None:
-        from project.metrics import register_provider
+        from deliveries.prometheus import register_provider
 
         from . import (
             checks,  # noqa: F401  (registers the system checks)

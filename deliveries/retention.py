@@ -29,7 +29,7 @@ from django.db import transaction
 from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.utils import timezone
 
-from project.metrics import PRUNED_ROWS
+from deliveries.prometheus import PRUNED_ROWS
 
 from .models import Delivery, DeliveryState, Event, LoopRun, OperationalEvent, Outbox
 

@@ -54,7 +54,7 @@ from django.db import (
 )
 from django.utils import timezone
 
-from project.metrics import (
+from deliveries.prometheus import (
     ATTEMPTS,
     DELIVERIES_FINISHED,
     DISPATCH_DURATION,

@@ -12,7 +12,7 @@ class IngestConfig(AppConfig):
         from django.db.models.signals import post_delete, post_save
 
         from deliveries import alerts, jobs, retention
-        from project.metrics import register_provider
+        from deliveries.prometheus import register_provider
 
         from .alerts import verification_failure_check
         from .metrics import inbound_gauges, polling_gauges

@@ -49,8 +49,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
-    # Admin pages: input the database refuses gets 400, not 500 (project/admin_input.py).
-    "project.admin_input.AdminInputMiddleware",
+    # Admin pages: input the database refuses gets 400, not 500 (deliveries/admin_input.py).
+    "deliveries.admin_input.AdminInputMiddleware",
 ]
 
 ROOT_URLCONF = "project.urls"
@@ -119,7 +119,7 @@ elif DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # --- Cache ------------------------------------------------------------------------------
-# The throttles count here (project/ratelimit.py), so every web process and host must
+# The throttles count here (deliveries/ratelimit.py), so every web process and host must
 # share it: a per-process cache (locmem) lets each gunicorn process have the whole rate.
 # CACHE_URL in django-environ's form (rediscache://127.0.0.1:6379/1, Django's Redis
 # backend); unset, the database cache, whose table deliveries' migrations create.
@@ -246,7 +246,7 @@ FAULT_INJECT_AFTER = env.int("FAULT_INJECT_AFTER", default=1)
 
 # --- Metrics ------------------------------------------------------------------------
 # /metrics answers a Bearer METRICS_TOKEN, or requests from these addresses that no proxy
-# relayed (project/metrics.py). None by default: a proxy on the same host relays the
+# relayed (deliveries/prometheus.py). None by default: a proxy on the same host relays the
 # internet from loopback. With DEBUG (make run), loopback.
 METRICS_TOKEN = env.str("METRICS_TOKEN", default="")
 METRICS_ALLOW_IPS = env.list("METRICS_ALLOW_IPS", default=["127.0.0.1", "::1"] if DEBUG else [])

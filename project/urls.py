@@ -2,11 +2,11 @@ from django.contrib import admin
 from django.urls import include, path
 from rest_framework.routers import DefaultRouter
 
+from deliveries import health
+from deliveries import prometheus as metrics
 from deliveries.api.urls import router as deliveries_router
 from ingest import views as ingest_views
 from ingest.api_urls import router as ingest_router
-
-from . import health, metrics
 
 # The customer API: every app's routes under one /api/v1/ and one API root that lists
 # them all (deliveries never imports ingest; the project knows both).

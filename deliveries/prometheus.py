@@ -40,7 +40,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-logger = logging.getLogger("project.metrics")
+logger = logging.getLogger("deliveries.prometheus")
 
 # --- Process counters and histograms ---------------------------------------------------
 
