@@ -4,6 +4,8 @@ from django.apps import AppConfig
 class DeliveriesConfig(AppConfig):
     name = "deliveries"
     verbose_name = "Outbound webhooks"
+    # Composed by deliveries.urls: the customer API's routes of this app.
+    api_router = "deliveries.api.urls.router"
 
     def ready(self) -> None:
         from deliveries.prometheus import register_provider

@@ -7,6 +7,9 @@ from django.conf import settings
 class IngestConfig(AppConfig):
     name = "ingest"
     verbose_name = "Inbound webhooks"
+    # Composed by deliveries.urls: this app's API routes and the receiver.
+    api_router = "ingest.api_urls.router"
+    urls_module = "ingest.urls"
 
     def ready(self) -> None:
         from django.db.models.signals import post_delete, post_save
