@@ -8,6 +8,7 @@ from ..egress import EgressError, EgressPolicy
 from ..models import Attempt, Delivery, Endpoint, Event
 from ..selectors import delivery_explain
 from ..worker import PROTOCOL_HEADERS
+from .parsers import StrictJSONField
 
 
 class EndpointInput(serializers.Serializer):
@@ -90,7 +91,7 @@ class SecretOutput(serializers.Serializer):
 
 class EventInput(serializers.Serializer):
     event_type = serializers.CharField(max_length=200)
-    payload = serializers.JSONField(help_text="A JSON object: the body receivers get.")
+    payload = StrictJSONField(help_text="A JSON object: the body receivers get.")
     entity_id = serializers.CharField(max_length=200, required=False, allow_blank=True)
     priority = serializers.IntegerField(required=False, min_value=-100, max_value=100)
     deliver_at = serializers.DateTimeField(required=False)
