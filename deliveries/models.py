@@ -11,7 +11,8 @@ from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
-from .egress import ErrorKind
+from .egress import ErrorKind, validate_endpoint_url
+from .headers import validate_endpoint_headers
 from .ids import uuid7
 from .timezones import validate_time_zone
 
@@ -67,7 +68,9 @@ class Endpoint(models.Model):
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="endpoints")
-    url = models.URLField(max_length=2000)
+    # The validators are the API's and the services' too: the admin's form and
+    # full_clean() refuse what they refuse.
+    url = models.URLField(max_length=2000, validators=[validate_endpoint_url])
     description = models.CharField(max_length=500, blank=True)
     # Empty list: every event type.
     event_types = models.JSONField(default=list, blank=True)
@@ -81,7 +84,7 @@ class Endpoint(models.Model):
     rate_limit = models.FloatField(null=True, blank=True)
     max_concurrency = models.PositiveIntegerField(null=True, blank=True)
     timeout = models.FloatField(null=True, blank=True)
-    headers = models.JSONField(default=dict, blank=True)
+    headers = models.JSONField(default=dict, blank=True, validators=[validate_endpoint_headers])
     retry_client_errors = models.BooleanField(
         default=False, help_text="Retry 4xx answers other than 408, 425 and 429 too."
     )

@@ -18,6 +18,8 @@ from django.db.models import Q
 from django.utils import timezone
 
 from . import state, tracing, wakeup
+from .egress import validate_endpoint_url
+from .headers import validate_endpoint_headers
 from .ids import UUID7_SQL, uuid7
 from .models import ApiKey, AuditEntry, Delivery, Endpoint, EndpointSecret, Event, Tenant
 from .signing import generate_secret
@@ -323,6 +325,7 @@ def endpoint_create(
     **options: Any,
 ) -> tuple[Endpoint, str]:
     """A new endpoint and its first signing secret (returned so it can be shown once)."""
+    _check_endpoint_fields({"url": url, **options})
     secret = generate_secret()
     with transaction.atomic():
         endpoint = Endpoint.objects.create(
@@ -334,6 +337,22 @@ def endpoint_create(
         )
         EndpointSecret.objects.create(endpoint=endpoint, secret=secret)
     return endpoint, secret
+
+
+# The model fields' own validators: a caller that comes through no form or serializer
+# (host code, a command) is held to the same rules. QuerySet.update() and create() run
+# no validators, so the services run them.
+_ENDPOINT_CHECKS = {"url": validate_endpoint_url, "headers": validate_endpoint_headers}
+
+
+def _check_endpoint_fields(fields: dict[str, Any]) -> None:
+    for name, check in _ENDPOINT_CHECKS.items():
+        if name not in fields:
+            continue
+        try:
+            check(fields[name])
+        except ValidationError as exc:
+            raise DomainError(f"{name}: {' '.join(exc.messages)}") from exc
 
 
 def endpoint_rotate_secret(
@@ -411,6 +430,7 @@ def endpoint_update(*, endpoint: Endpoint, **changes: Any) -> Endpoint:
     unknown = set(changes) - ENDPOINT_UPDATABLE
     if unknown:
         raise DomainError(f"cannot change {sorted(unknown)}")
+    _check_endpoint_fields(changes)
     enabled = changes.pop("enabled", None)
     with transaction.atomic():
         if changes:
