@@ -2,6 +2,7 @@ from django.contrib import admin
 from django.urls import include, path
 from rest_framework.routers import DefaultRouter
 
+from deliveries.api.errors import not_found_under
 from deliveries.api.urls import router as deliveries_router
 from ingest import views as ingest_views
 from ingest.api_urls import router as ingest_router
@@ -22,3 +23,6 @@ urlpatterns = [
     path("api/", include("deliveries.api_urls")),
     path("ingest/<slug:slug>/", ingest_views.receive, name="ingest-receive"),
 ]
+
+# A path under the API or the receiver that routes nowhere answers in the one error shape.
+handler404 = not_found_under("/api/", "/ingest/")

@@ -387,3 +387,19 @@ def test_an_idempotency_key_with_a_nul_byte_is_a_400_and_writes_nothing(key, ten
 
     assert_one_error_shape(response, 400, "invalid_idempotency_key")
     assert Event.objects.count() == before
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/api/v1/endpoints/%00%2F/rotate-secret/",  # an id holding "/" routes nowhere
+        "/api/v1/no-such-collection/",
+        "/ingest/",
+    ],
+)
+def test_a_path_under_the_api_that_routes_nowhere_is_a_404_in_the_one_shape(path):
+    client, *_ = client_for("lost")
+
+    assert_one_error_shape(client.post(path), 404, "not_found")
+    assert client.get("/nowhere/").status_code == 404  # elsewhere, Django's own page
+    assert not client.get("/nowhere/")["Content-Type"].startswith("application/json")
