@@ -175,7 +175,14 @@ SECRETS_ENCRYPTION_KEYS = env.list("SECRETS_ENCRYPTION_KEYS", default=[])
 REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.CursorPagination",
+    # JSON bodies held to deliveries.text (no NUL, no lone surrogates, bounded nesting).
+    "DEFAULT_PARSER_CLASSES": [
+        "deliveries.api.parsers.StrictJSONParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
+    # Cursors are checked before they reach a query (deliveries/api/pagination.py).
+    "DEFAULT_PAGINATION_CLASS": "deliveries.api.pagination.NewestFirst",
     "PAGE_SIZE": 50,
     "EXCEPTION_HANDLER": "deliveries.api.errors.exception_handler",
     "DEFAULT_THROTTLE_RATES": {"api_key": env.str("API_THROTTLE_RATE", default="50/s")},
