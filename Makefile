@@ -41,7 +41,7 @@ test: $(VENV)/.dev-installed
 	echo "== migrations"; $(PY) manage.py makemigrations --check --dry-run; \
 	echo "== migration linter (backward compatibility)"; \
 	  LOG_LEVEL=WARNING $(PY) manage.py lintmigrations --quiet ok ignore; \
-	echo "== OpenAPI schema"; $(PY) manage.py spectacular --validate --fail-on-warn >/dev/null; \
+	echo "== OpenAPI schema"; $(PY) manage.py spectacular --custom-settings deliveries.api.base.SCHEMA_SETTINGS --validate --fail-on-warn >/dev/null; \
 	echo "== pytest (PostgreSQL)"; $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 $(VENV)/.bench-installed: requirements/bench.txt requirements/dev.txt requirements/base.txt

@@ -10,13 +10,13 @@ imports ingest, and the host's admin stays the host's.
 from django.apps import apps
 from django.urls import include, path
 from django.utils.module_loading import import_string
-from rest_framework.routers import DefaultRouter
 
 from . import health, prometheus
+from .api.base import ApiRouter
 
 
-def _api_v1() -> DefaultRouter:
-    router = DefaultRouter(trailing_slash="/?")
+def _api_v1() -> ApiRouter:
+    router = ApiRouter(trailing_slash="/?")
     for config in apps.get_app_configs():
         if dotted := getattr(config, "api_router", None):
             router.registry.extend(import_string(dotted).registry)

@@ -172,31 +172,9 @@ X_FRAME_OPTIONS = "DENY"
 SECRETS_ENCRYPTION_KEYS = env.list("SECRETS_ENCRYPTION_KEYS", default=[])
 
 # --- REST -----------------------------------------------------------------------------
-REST_FRAMEWORK = {
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
-    # JSON bodies held to deliveries.text (no NUL, no lone surrogates, bounded nesting).
-    "DEFAULT_PARSER_CLASSES": [
-        "deliveries.api.parsers.StrictJSONParser",
-        "rest_framework.parsers.FormParser",
-        "rest_framework.parsers.MultiPartParser",
-    ],
-    # Cursors are checked before they reach a query (deliveries/api/pagination.py).
-    "DEFAULT_PAGINATION_CLASS": "deliveries.api.pagination.NewestFirst",
-    "PAGE_SIZE": 50,
-    "EXCEPTION_HANDLER": "deliveries.api.errors.exception_handler",
-    "DEFAULT_THROTTLE_RATES": {"api_key": env.str("API_THROTTLE_RATE", default="50/s")},
-    "UNAUTHENTICATED_USER": None,
-}
-SPECTACULAR_SETTINGS = {
-    "TITLE": "Webhooks API",
-    "DESCRIPTION": "Endpoints, events and delivery history for one tenant.",
-    "VERSION": "1.0.0",
-    "ENUM_NAME_OVERRIDES": {"OutcomeEnum": "deliveries.models.Outcome"},
-    # Swagger UI served from this app, not a CDN: /api/docs/ works offline.
-    "SWAGGER_UI_DIST": "SIDECAR",
-    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
-}
+# The product's API configures its own views (deliveries/api/base.py): a host's
+# REST_FRAMEWORK, the standalone service's included, changes nothing there.
+API_THROTTLE_RATE = env.str("API_THROTTLE_RATE", default="50/s")
 
 # --- Egress ---------------------------------------------------------------------------
 # CIDRs the egress guard admits although they are private or loopback. Empty by default.

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+from django.conf import settings
 from django.db.models import Q
 from django.utils import timezone
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
@@ -64,6 +65,10 @@ class ApiKeyThrottle(throttling.SimpleRateThrottle):
     request times per key and writes it back, which loses concurrent requests."""
 
     scope = "api_key"
+
+    def get_rate(self):
+        # The product's own setting, not the host's DEFAULT_THROTTLE_RATES.
+        return settings.API_THROTTLE_RATE
 
     def get_cache_key(self, request, view):
         if isinstance(request.user, TenantPrincipal):

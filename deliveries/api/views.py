@@ -7,7 +7,7 @@ import django_filters
 from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models import F
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiParameter
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
@@ -17,10 +17,12 @@ from ..models import Attempt, Delivery, DeliveryState, Endpoint, EndpointSecret,
 from ..text import text_problem
 from . import serializers as s
 from .auth import ApiKeyAuthentication, ApiKeyThrottle, IsTenant
+from .base import ProductAPIView, extend_schema
 from .pagination import AttemptPages, NewestDeliveriesFirst, NewestFirst
 
 
-class TenantScoped:
+class TenantScoped(ProductAPIView):
+    # The customer API: a tenant's API key, its throttle and cursor pages.
     authentication_classes = [ApiKeyAuthentication]
     permission_classes = [IsTenant]
     throttle_classes = [ApiKeyThrottle]

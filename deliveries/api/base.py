@@ -1,0 +1,103 @@
+"""What every view of the product's API sets for itself, so that a host's
+``REST_FRAMEWORK`` (its own authentication, pagination, parsers, exception handler)
+neither changes this API nor is changed by it. DRF fills a view's unset attributes from
+the project-wide settings at import, so each is named here."""
+
+from django_filters.rest_framework import DjangoFilterBackend
+from drf_spectacular.openapi import AutoSchema
+from drf_spectacular.settings import patched_settings
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from rest_framework import parsers, permissions, renderers, routers
+from rest_framework.negotiation import DefaultContentNegotiation
+
+from .errors import exception_handler
+from .parsers import StrictJSONParser
+
+
+class ProductAPIView:
+    # A mixin for every DRF view of the product: parsing, rendering, filtering, the schema
+    # and the one error shape. Authentication and permissions are the views' own (the
+    # customer API: a tenant's API key, views.TenantScoped). Comments, not a docstring:
+    # drf-spectacular would print a docstring as every operation's description.
+
+    # JSON bodies held to deliveries.text (no NUL, no lone surrogates, bounded nesting).
+    parser_classes = [StrictJSONParser, parsers.FormParser, parsers.MultiPartParser]
+    renderer_classes = [renderers.JSONRenderer, renderers.BrowsableAPIRenderer]
+    filter_backends = [DjangoFilterBackend]
+    content_negotiation_class = DefaultContentNegotiation
+    versioning_class = None
+    schema = AutoSchema()
+
+    def get_exception_handler(self):
+        return exception_handler
+
+
+class Public(ProductAPIView):
+    # The API root, the schema and its docs page: open to anyone, whatever the host's
+    # defaults say.
+
+    authentication_classes = []
+    permission_classes = [permissions.AllowAny]
+    throttle_classes = []
+
+
+class ApiRoot(Public, routers.APIRootView):
+    schema = None  # a list of links, not an operation (as DRF's own root)
+
+
+class ApiRouter(routers.DefaultRouter):
+    APIRootView = ApiRoot
+
+
+def product_endpoints_only(endpoints):
+    """drf-spectacular preprocessing hook: the schema shows this API's routes, not the
+    host's own DRF views, wherever the host mounted them."""
+    own = [e for e in endpoints if issubclass(getattr(e[3], "cls", object), ProductAPIView)]
+    return [e for e in own if not issubclass(e[3].cls, (SchemaView, SchemaDocsView))]
+
+
+# The schema of this API alone, under this API's own title.
+SCHEMA_SETTINGS = {
+    "PREPROCESSING_HOOKS": ["deliveries.api.base.product_endpoints_only"],
+    # Operation ids and tags from the path after api/ (v1_deliveries_list), wherever the
+    # host mounted the API.
+    "SCHEMA_PATH_PREFIX": r"/(?:.*/)?api/",
+    "TITLE": "Webhooks API",
+    "DESCRIPTION": "Endpoints, events and delivery history for one tenant.",
+    "VERSION": "1.0.0",
+    "ENUM_NAME_OVERRIDES": {"OutcomeEnum": "deliveries.models.Outcome"},
+    # Swagger UI served from this app, not a CDN: /api/docs/ works offline.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+}
+
+
+class SchemaView(Public, SpectacularAPIView):
+    custom_settings = SCHEMA_SETTINGS
+    renderer_classes = SpectacularAPIView.renderer_classes
+
+
+class SchemaDocsView(Public, SpectacularSwaggerView):
+    renderer_classes = SpectacularSwaggerView.renderer_classes
+    title = SCHEMA_SETTINGS["TITLE"]
+
+    def get(self, request, *args, **kwargs):
+        # The page reads drf-spectacular's settings as it answers: this API's, not the
+        # host's (Swagger UI from the sidecar, not a CDN).
+        with patched_settings(SCHEMA_SETTINGS):
+            return super().get(request, *args, **kwargs)
+
+
+def extend_schema(**kwargs):
+    """drf-spectacular's ``extend_schema`` on a view method, built on its AutoSchema
+    whatever the host's ``DEFAULT_SCHEMA_CLASS`` (the decorator's default base)."""
+    from drf_spectacular.utils import extend_schema as spectacular_extend_schema
+
+    def decorator(f):
+        if not hasattr(f, "kwargs") and not hasattr(f, "schema"):
+            f.schema = AutoSchema
+        elif hasattr(f, "kwargs"):
+            f.kwargs.setdefault("schema", AutoSchema)
+        return spectacular_extend_schema(**kwargs)(f)
+
+    return decorator
