@@ -23,7 +23,9 @@ run: $(VENV)/.base-installed
 	$(PY) scripts/run_demo.py
 
 ## make test: lint, Django checks, migrations check, the migration linter (no
-## backward-incompatible migration), the whole suite on PostgreSQL and a smoke run on SQLite.
+## backward-incompatible migration), the whole suite on PostgreSQL, then the pipeline's
+## tests (those marked sqlite, docs/testing.md) again on a SQLite file in a temporary
+## directory. PYTEST_ARGS applies to both runs (the SQLite one passes if it selects none).
 test: $(VENV)/.dev-installed
 	@set -e; \
 	export DATABASE_URL="$$(scripts/ensure_postgres.sh)"; \
@@ -42,7 +44,11 @@ test: $(VENV)/.dev-installed
 	echo "== migration linter (backward compatibility)"; \
 	  LOG_LEVEL=WARNING $(PY) manage.py lintmigrations --quiet ok ignore; \
 	echo "== OpenAPI schema"; $(PY) manage.py spectacular --custom-settings deliveries.api.base.SCHEMA_SETTINGS --validate --fail-on-warn >/dev/null; \
-	echo "== pytest (PostgreSQL)"; $(VENV)/bin/pytest $(PYTEST_ARGS)
+	echo "== pytest (PostgreSQL)"; $(VENV)/bin/pytest $(PYTEST_ARGS); \
+	echo "== pytest (SQLite: the tests marked sqlite)"; \
+	sqlite_dir="$$(mktemp -d)"; trap 'rm -rf "$$sqlite_dir"' EXIT; \
+	DATABASE_URL="sqlite:///$$sqlite_dir/webhooks.sqlite3" \
+	  $(VENV)/bin/pytest -m sqlite $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 $(VENV)/.bench-installed: requirements/bench.txt requirements/dev.txt requirements/base.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

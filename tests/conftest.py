@@ -2,6 +2,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from django.db import connection
@@ -12,6 +13,39 @@ from deliveries.loops import relay_tick, scheduler_tick
 from deliveries.models import Tenant
 from deliveries.worker import Worker
 from tests.receiver import Receiver
+
+SQLITE = "django.db.backends.sqlite3"
+
+
+def pytest_report_header(config):
+    if connection.vendor == "sqlite":
+        return f"database: SQLite ({connection.settings_dict['NAME']}): only tests marked sqlite"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """On SQLite only the tests marked ``sqlite`` run (the pipeline's modules, whose every
+    statement has a SQLite spelling); the rest rely on what only PostgreSQL has."""
+    if connection.vendor != "sqlite":
+        return
+    marked, unmarked = [], []
+    for item in items:
+        (marked if item.get_closest_marker("sqlite") else unmarked).append(item)
+    config.hook.pytest_deselected(items=unmarked)
+    items[:] = marked
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix):
+    """On SQLite the test database is a file beside the configured one, not Django's
+    default in-memory database: the commands a test starts as processes must open it."""
+    from django.conf import settings
+
+    db = settings.DATABASES["default"]
+    test = db.setdefault("TEST", {})
+    if db["ENGINE"] == SQLITE and not test.get("NAME"):
+        path = Path(db["NAME"])
+        test["NAME"] = str(path.with_name(f"test_{path.name}"))
 
 
 @pytest.fixture(autouse=True)
@@ -94,9 +128,13 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     from django.db import connection
 
     s = connection.settings_dict
-    user = s.get("USER") or ""
-    auth = f"{user}:{s['PASSWORD']}@" if s.get("PASSWORD") else (f"{user}@" if user else "")
-    url = f"postgres://{auth}{s.get('HOST') or '127.0.0.1'}:{s.get('PORT') or 5432}/{s['NAME']}"
+    if s["ENGINE"] == SQLITE:
+        # NAME is absolute, so the URL has four slashes.
+        url = f"sqlite:///{Path(s['NAME']).resolve()}"
+    else:
+        user = s.get("USER") or ""
+        auth = f"{user}:{s['PASSWORD']}@" if s.get("PASSWORD") else (f"{user}@" if user else "")
+        url = f"postgres://{auth}{s.get('HOST') or '127.0.0.1'}:{s.get('PORT') or 5432}/{s['NAME']}"
     env = {**os.environ, "DATABASE_URL": url, "EGRESS_ALLOW_NETWORKS": "127.0.0.0/8"}
     env.update(extra)
     return env
@@ -106,7 +144,6 @@ def manage(*args: str, env: dict[str, str], timeout: float = 60):
     """Run a management command as a real process; returns the CompletedProcess."""
     import subprocess
     import sys
-    from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     return subprocess.run(
@@ -143,7 +180,6 @@ class Command:
     def __init__(self, args: tuple[str, ...], env: dict[str, str], logs) -> None:
         import subprocess
         import sys
-        from pathlib import Path
 
         root = Path(__file__).resolve().parent.parent
         self.args = args

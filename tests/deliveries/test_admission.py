@@ -8,7 +8,7 @@ from django.utils import timezone
 from deliveries import services, state
 from deliveries.models import Delivery, EndpointThrottle, Tenant
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.sqlite]
 
 
 def limits(total=1000, tenant=1000, endpoint=1000):

@@ -21,7 +21,7 @@ from ingest.services import source_create
 from tests.conftest import drain
 from tests.receiver import always
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.sqlite]
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from deliveries.loops import relay_tick, scheduler_tick
 from deliveries.models import Delivery, QueueMessage
 from tests.conftest import drain, run_workers
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.sqlite]
 
 
 def test_database_broker_hands_each_message_to_one_consumer_until_it_times_out(settings):

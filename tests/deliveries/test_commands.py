@@ -18,7 +18,7 @@ from deliveries.models import ApiKey, Attempt, Delivery, LoopRun, QueueMessage
 from deliveries.services import hash_api_key
 from tests.conftest import drain, manage, queue_for_slow_endpoint, subprocess_env
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow, pytest.mark.sqlite]
 ROOT = Path(__file__).resolve().parents[2]
 
 

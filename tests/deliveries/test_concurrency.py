@@ -1,6 +1,7 @@
 """Two schedulers, two relays and three workers at once, as real threads against the
-real PostgreSQL database: every delivery is attempted exactly once (no lease expires in
-this test, so a second copy would be a double delivery within a lease)."""
+real database (PostgreSQL, or SQLite's file, whose writers take turns): every delivery is
+attempted exactly once (no lease expires in this test, so a second copy would be a
+double delivery within a lease)."""
 
 import asyncio
 import time
@@ -16,7 +17,7 @@ from deliveries.models import Attempt, Delivery
 from deliveries.worker import Worker
 from tests.conftest import in_thread, queue_for_slow_endpoint
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow, pytest.mark.sqlite]
 
 EVENTS = 400
 

@@ -14,7 +14,7 @@ from deliveries.loops import relay_tick, scheduler_tick
 from deliveries.models import Attempt, Delivery, Event, Outbox, QueueMessage
 from tests.conftest import drain, make_due, manage, run_workers, subprocess_env
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow, pytest.mark.sqlite]
 
 
 @pytest.fixture

@@ -14,6 +14,8 @@ from ingest.poller import poll_source_create, poll_source_run
 from tests.conftest import drain
 from tests.ingest.fake_provider import FakeProvider, StaticRecords
 
+pytestmark = pytest.mark.sqlite
+
 
 @pytest.fixture(autouse=True)
 def _nothing_open_for_everyone(settings):

@@ -17,7 +17,7 @@ from ingest.poller import poll_source_create
 from tests.conftest import queue_for_slow_endpoint, scrape, subprocess_env
 from tests.ingest.fake_provider import FakeProvider, StaticRecords
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow, pytest.mark.sqlite]
 
 PERIOD = 0.5
 # A beat may be late on a busy 2-core machine; three periods is still far from "stopped"

@@ -6,7 +6,7 @@ from django.utils import timezone
 
 from deliveries.locks import entity_lock_acquire, entity_lock_release
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.sqlite]
 
 
 def test_one_holder_at_a_time_until_release_or_expiry():

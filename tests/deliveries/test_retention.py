@@ -33,7 +33,7 @@ from ingest.schemes import get_scheme
 from ingest.services import source_create
 from tests.conftest import drain
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.sqlite]
 
 OLD = timedelta(days=40)
 
@@ -229,7 +229,11 @@ def test_loop_runs_and_schedules(settings):
     assert "deliveries" in import_string(row.func)()
 
 
-_AUDIT = """
+# A trigger on each pruned table records the state of every row deleted, in each
+# database's spelling; each statement is run on its own (SQLite's cursor runs one).
+_AUDIT = {
+    "postgresql": [
+        """
 CREATE TABLE prune_audit (tbl text, state text, id uuid);
 CREATE FUNCTION prune_audit() RETURNS trigger AS $$
 BEGIN
@@ -241,12 +245,40 @@ CREATE TRIGGER delivery_prune_audit BEFORE DELETE ON deliveries_delivery
 CREATE TRIGGER inbound_prune_audit BEFORE DELETE ON ingest_inboundevent
     FOR EACH ROW EXECUTE FUNCTION prune_audit();
 """
-_AUDIT_DROP = """
+    ],
+    "sqlite": [
+        "CREATE TABLE prune_audit (tbl text, state text, id text)",
+        *(
+            f"CREATE TRIGGER {name}_prune_audit BEFORE DELETE ON {table} BEGIN"
+            f" INSERT INTO prune_audit VALUES ('{table}', OLD.state, OLD.id); END"
+            for name, table in [
+                ("delivery", "deliveries_delivery"),
+                ("inbound", "ingest_inboundevent"),
+            ]
+        ),
+    ],
+}
+_AUDIT_DROP = {
+    "postgresql": [
+        """
 DROP TRIGGER IF EXISTS delivery_prune_audit ON deliveries_delivery;
 DROP TRIGGER IF EXISTS inbound_prune_audit ON ingest_inboundevent;
 DROP FUNCTION IF EXISTS prune_audit() CASCADE;
 DROP TABLE IF EXISTS prune_audit;
 """
+    ],
+    "sqlite": [
+        "DROP TRIGGER IF EXISTS delivery_prune_audit",
+        "DROP TRIGGER IF EXISTS inbound_prune_audit",
+        "DROP TABLE IF EXISTS prune_audit",
+    ],
+}
+
+
+def _execute_all(statements: list[str]) -> None:
+    with connection.cursor() as cursor:
+        for statement in statements:
+            cursor.execute(statement)
 
 
 @pytest.mark.slow
@@ -290,8 +322,7 @@ def test_prune_while_the_pipeline_runs_touches_nothing_non_terminal(tenant, rece
     Event.objects.filter(id__in=[e.id for e in live]).update(created_at=now - OLD)
     dead_ids = [d.id for d in old if d.state == "dead"]
 
-    with connection.cursor() as cursor:
-        cursor.execute(_AUDIT)
+    _execute_all(_AUDIT[connection.vendor])
     try:
         stop = threading.Event()
         pruned = []
@@ -316,11 +347,12 @@ def test_prune_while_the_pipeline_runs_touches_nothing_non_terminal(tenant, rece
             cursor.execute("SELECT tbl, state, count(*) FROM prune_audit GROUP BY 1, 2")
             deleted = {(t, s): n for t, s, n in cursor.fetchall()}
     finally:
-        with connection.cursor() as cursor:
-            cursor.execute(_AUDIT_DROP)
+        _execute_all(_AUDIT_DROP[connection.vendor])
 
     assert sum(pruned) > 0, "the pruner never ran alongside the pipeline"
     assert {s for (_, s) in deleted} <= {"succeeded", "dead"}, deleted
+    # The trigger saw every old delivery that went (so the check above is not empty).
+    assert sum(n for (t, _), n in deleted.items() if t == "deliveries_delivery") == 400 - replayed
     # Every fresh delivery went through once, with its attempt kept.
     fresh = Delivery.objects.filter(event__in=live)
     assert fresh.count() == 60 and set(fresh.values_list("state", flat=True)) == {"succeeded"}

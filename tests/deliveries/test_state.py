@@ -12,7 +12,7 @@ from deliveries.policy import RetryPolicy
 from deliveries.selectors import delivery_explain
 from tests.conftest import drain, run_workers
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.sqlite]
 
 NOW = timezone.now
 

@@ -6,7 +6,7 @@ from django_q.tasks import async_task  # noqa: F401  (django-q2 is importable an
 from deliveries import services
 from deliveries.models import Delivery, QueueMessage, Tenant
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.sqlite]
 
 
 def test_schedule_rows_can_call_the_loop_units():

@@ -15,6 +15,8 @@ from deliveries.models import Delivery, Tenant
 from deliveries.timezones import next_local_time, validate_time_zone
 from tests.conftest import drain
 
+pytestmark = pytest.mark.sqlite
+
 NINE = time(9, 0)
 
 

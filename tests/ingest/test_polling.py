@@ -21,6 +21,8 @@ from ingest.polling import Cursor, HttpJsonAdapter, Record, TokenBucket
 from tests.conftest import drain
 from tests.ingest.fake_provider import FakeProvider, LiveRecords, StaticRecords
 
+pytestmark = pytest.mark.sqlite
+
 TOKEN = "Bearer test-token"
 PAGE = 50
 

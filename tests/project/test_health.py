@@ -1,6 +1,8 @@
 import pytest
 from django.test import Client
 
+pytestmark = pytest.mark.sqlite
+
 
 def test_healthz_answers_without_the_database():
     assert Client().get("/healthz").json() == {"status": "ok"}
