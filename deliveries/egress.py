@@ -49,9 +49,10 @@ from typing import Any
 
 import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
-from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from yarl import URL
+
+from deliveries.conf import settings
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network

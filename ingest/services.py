@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import NamedTuple
 
-from django.conf import settings
 from django.db import (
     DatabaseError,
     IntegrityError,
@@ -41,6 +40,7 @@ from deliveries.models import Outbox
 from deliveries.policy import RetryPolicy
 from deliveries.sql import bound_cursor
 from deliveries.state import message_key
+from ingest.conf import settings
 from project import ratelimit
 from project.metrics import (
     INBOUND_HANDLER_DURATION,

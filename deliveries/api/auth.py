@@ -9,6 +9,7 @@ from rest_framework import authentication, exceptions, permissions, throttling
 
 from project import ratelimit
 
+from ..conf import settings
 from ..models import ApiKey, Tenant
 from ..services import hash_api_key
 
@@ -64,6 +65,11 @@ class ApiKeyThrottle(throttling.SimpleRateThrottle):
     request times per key and writes it back, which loses concurrent requests."""
 
     scope = "api_key"
+
+    def get_rate(self):
+        # The app's setting, not REST_FRAMEWORK's DEFAULT_THROTTLE_RATES: that dict is the
+        # host's, and DRF refuses a scope missing from it.
+        return settings.API_THROTTLE_RATE
 
     def get_cache_key(self, request, view):
         if isinstance(request.user, TenantPrincipal):

@@ -7,6 +7,8 @@ import django_filters
 from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models import F
+from django_filters.rest_framework import DjangoFilterBackend
+from drf_spectacular.openapi import AutoSchema
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, pagination, status, viewsets
 from rest_framework.decorators import action
@@ -16,6 +18,7 @@ from .. import services
 from ..models import Attempt, Delivery, DeliveryState, Endpoint, EndpointSecret, Event
 from . import serializers as s
 from .auth import ApiKeyAuthentication, ApiKeyThrottle, IsTenant
+from .errors import exception_handler
 
 
 class NewestFirst(pagination.CursorPagination):
@@ -37,11 +40,18 @@ class AttemptPages(pagination.CursorPagination):
 
 
 class TenantScoped:
+    # Everything the API's behaviour depends on is set here, not left to REST_FRAMEWORK
+    # (the host's, which may page, filter, answer errors or describe views otherwise).
     authentication_classes = [ApiKeyAuthentication]
     permission_classes = [IsTenant]
     throttle_classes = [ApiKeyThrottle]
     pagination_class = NewestFirst
+    filter_backends = [DjangoFilterBackend]
+    schema = AutoSchema()
     lookup_value_regex = "[^/]+"
+
+    def get_exception_handler(self):
+        return exception_handler
 
     def filter_queryset(self, queryset):
         # List filters apply to lists only, never to the lookup of one object.

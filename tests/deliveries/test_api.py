@@ -261,16 +261,7 @@ def test_requests_past_the_per_key_rate_get_429_with_retry_after(alice, settings
     from django.core.cache import cache
 
     cache.clear()
-    settings.REST_FRAMEWORK = {
-        **settings.REST_FRAMEWORK,
-        "DEFAULT_THROTTLE_RATES": {"api_key": "3/min"},
-    }
-    from rest_framework.settings import api_settings
-
-    api_settings.reload()
-    from deliveries.api.auth import ApiKeyThrottle
-
-    ApiKeyThrottle.THROTTLE_RATES = api_settings.DEFAULT_THROTTLE_RATES
+    settings.API_THROTTLE_RATE = "3/min"
     try:
         client, _, _ = alice
         codes = [client.get("/api/v1/events/").status_code for _ in range(4)]
@@ -279,12 +270,6 @@ def test_requests_past_the_per_key_rate_get_429_with_retry_after(alice, settings
         assert r.json()["error"]["code"] == "throttled"
         assert int(r["Retry-After"]) > 0
     finally:
-        settings.REST_FRAMEWORK = {
-            **settings.REST_FRAMEWORK,
-            "DEFAULT_THROTTLE_RATES": {"api_key": "50/s"},
-        }
-        api_settings.reload()
-        ApiKeyThrottle.THROTTLE_RATES = api_settings.DEFAULT_THROTTLE_RATES
         cache.clear()
 
 
