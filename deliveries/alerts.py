@@ -27,7 +27,7 @@ from django.db.models import Count, F
 from django.utils import timezone
 
 from deliveries.conf import settings
-from project.metrics import OPERATIONAL_EVENTS
+from deliveries.prometheus import OPERATIONAL_EVENTS
 
 from .models import AlertCheckpoint, Delivery, DeliveryState, Endpoint, OperationalEvent, Tenant
 

@@ -4,9 +4,11 @@ from django.apps import AppConfig
 class DeliveriesConfig(AppConfig):
     name = "deliveries"
     verbose_name = "Outbound webhooks"
+    # Composed by deliveries.urls: the customer API's routes of this app.
+    api_router = "deliveries.api.urls.router"
 
     def ready(self) -> None:
-        from project.metrics import register_provider
+        from deliveries.prometheus import register_provider
 
         from . import (
             checks,  # noqa: F401  (registers the system checks)

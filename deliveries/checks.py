@@ -129,7 +129,7 @@ UNSHARED_CACHES = frozenset(
 
 @register(Tags.caches)
 def check_shared_cache(app_configs, **kwargs):
-    """The throttles count in the default cache (project/ratelimit.py)."""
+    """The throttles count in the default cache (deliveries/ratelimit.py)."""
     backend = settings.CACHES.get("default", {}).get("BACKEND", "")
     if backend not in UNSHARED_CACHES:
         return []

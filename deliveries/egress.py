@@ -49,10 +49,12 @@ from typing import Any
 
 import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
-from django.core.exceptions import ImproperlyConfigured
+from django.core.exceptions import ImproperlyConfigured, ValidationError
 from yarl import URL
 
 from deliveries.conf import settings
+
+from .headers import HEADER_NAME
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -106,10 +108,10 @@ _CGNAT = ipaddress.ip_network("100.64.0.0/10")
 _NUMERIC_LABEL = re.compile(r"^(?:0x[0-9a-f]*|[0-9]+)$")
 _HOSTNAME_LABEL = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?$")
 
-# RFC 9110 field-name token (used with ``fullmatch``: ``$`` would let a trailing
-# newline through), and a field value free of CR, LF and NUL. aiohttp refuses such
-# headers too, but with a bare ValueError that is no EgressError.
-_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+# Any request's headers: a name that is a token (deliveries.headers.HEADER_NAME) and a
+# value free of CR, LF and NUL. aiohttp refuses such headers too, but with a bare
+# ValueError that is no EgressError. (An endpoint's custom headers are held to the
+# stricter rule of deliveries.headers before they get here.)
 _HEADER_VALUE_FORBIDDEN = re.compile(r"[\r\n\x00]")
 
 # Per-request work that gives the same answer every time is remembered, in bounded
@@ -269,6 +271,20 @@ class EgressPolicy:
         if reason:
             raise EgressError(ErrorKind.BLOCKED, f"address {literal} refused: {reason}")
         return parsed
+
+
+def validate_endpoint_url(url: str, policy: EgressPolicy | None = None) -> None:
+    """ValidationError unless ``policy`` (the endpoint's tenant's: the setting plus what
+    staff opened for it, ``selectors.egress_policy_for``; the setting alone by default)
+    would let the worker fetch ``url``. The one check of an endpoint's URL: the model's
+    ``clean`` (so the admin's form and ``full_clean``), the API serializer and the
+    services use it, so nothing can store a URL that every attempt would then refuse."""
+    try:
+        (policy or EgressPolicy.from_settings()).check_url(url)
+    except EgressError as exc:
+        raise ValidationError(
+            f"This URL cannot receive webhooks: {exc.detail}", code="egress_refused"
+        ) from exc
 
 
 def _default_refusal(ip: IPAddress) -> str | None:
@@ -510,7 +526,7 @@ def _lowered_header_name(name: str) -> str | None:
 
     Cached: a worker sends the same few names on every request; only values vary.
     """
-    return name.lower() if _HEADER_NAME.fullmatch(name) else None
+    return name.lower() if HEADER_NAME.fullmatch(name) else None
 
 
 def _headers_to_send(headers: Mapping[str, str]) -> dict[str, str]:

@@ -31,7 +31,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from deliveries.conf import settings
-from project.metrics import LEASE_EXPIRIES, LOST_DISPATCHES
+from deliveries.prometheus import LEASE_EXPIRIES, LOST_DISPATCHES
 
 from . import broker as transport
 from . import jobs, state, tracing, wakeup

@@ -1,4 +1,4 @@
-"""The outbound side's database gauges (registered with ``project.metrics``) and the
+"""The outbound side's database gauges (registered with ``deliveries.prometheus``) and the
 bounded endpoint label of the dispatch metrics.
 
 Every query here reads a partial index, so its cost follows the rows that matter now
@@ -16,7 +16,7 @@ from django.db.models import Count, Max, Min
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from deliveries.conf import settings
-from project.metrics import add_state_counts
+from deliveries.prometheus import add_state_counts
 
 from .models import Delivery, DeliveryState, LoopRun, Outbox
 

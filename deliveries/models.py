@@ -16,7 +16,8 @@ from django.db.models import Q
 from deliveries.conf import settings
 
 from . import encryption
-from .egress import ErrorKind
+from .egress import ErrorKind, validate_endpoint_url
+from .headers import validate_endpoint_headers
 from .ids import uuid7
 from .timezones import validate_time_zone
 
@@ -78,6 +79,8 @@ class Endpoint(models.Model):
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="endpoints")
+    # The URL's egress rule depends on the tenant (its allowances): checked in clean(),
+    # the rule the API and the services apply too.
     url = models.URLField(max_length=2000)
     description = models.CharField(max_length=500, blank=True)
     # Empty list: every event type.
@@ -92,7 +95,7 @@ class Endpoint(models.Model):
     rate_limit = models.FloatField(null=True, blank=True)
     max_concurrency = models.PositiveIntegerField(null=True, blank=True)
     timeout = models.FloatField(null=True, blank=True)
-    headers = models.JSONField(default=dict, blank=True)
+    headers = models.JSONField(default=dict, blank=True, validators=[validate_endpoint_headers])
     retry_client_errors = models.BooleanField(
         default=False, help_text="Retry 4xx answers other than 408, 425 and 429 too."
     )
@@ -112,6 +115,19 @@ class Endpoint(models.Model):
 
     def __str__(self) -> str:
         return self.url
+
+    def clean(self) -> None:
+        """The admin's form and full_clean() refuse the URLs the API refuses, with the
+        networks open to this endpoint's tenant (and to the endpoint) counted."""
+        from .selectors import egress_policy_for
+
+        if not self.url or not self.tenant_id:
+            return
+        policy = egress_policy_for(tenant_id=self.tenant_id, endpoint_id=self.pk)
+        try:
+            validate_endpoint_url(self.url, policy)
+        except ValidationError as exc:
+            raise ValidationError({"url": exc.messages}) from exc
 
     def subscribes_to(self, event_type: str) -> bool:
         return not self.event_types or event_type in self.event_types

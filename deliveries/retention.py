@@ -29,7 +29,7 @@ from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.utils import timezone
 
 from deliveries.conf import settings
-from project.metrics import PRUNED_ROWS
+from deliveries.prometheus import PRUNED_ROWS
 
 from .models import Delivery, DeliveryState, Event, LoopRun, OperationalEvent, Outbox
 

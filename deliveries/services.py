@@ -19,6 +19,8 @@ from django.utils import timezone
 from deliveries.conf import settings
 
 from . import encryption, state, tracing, wakeup
+from .egress import validate_endpoint_url
+from .headers import validate_endpoint_headers
 from .ids import UUID7_SQL, uuid7
 from .models import (
     ApiKey,
@@ -30,6 +32,7 @@ from .models import (
     Event,
     Tenant,
 )
+from .selectors import egress_policy_for
 from .signing import generate_secret
 from .sql import bound_cursor
 from .timezones import validate_time_zone
@@ -333,6 +336,7 @@ def endpoint_create(
     **options: Any,
 ) -> tuple[Endpoint, str]:
     """A new endpoint and its first signing secret (returned so it can be shown once)."""
+    _check_endpoint_fields({"url": url, **options}, tenant_id=tenant.id)
     secret = generate_secret()
     with transaction.atomic():
         endpoint = Endpoint.objects.create(
@@ -344,6 +348,27 @@ def endpoint_create(
         )
         EndpointSecret.objects.create(endpoint=endpoint, secret=secret)
     return endpoint, secret
+
+
+def _check_endpoint_fields(
+    fields: dict[str, Any], *, tenant_id: uuid.UUID, endpoint_id: uuid.UUID | None = None
+) -> None:
+    """The model's own rules (Endpoint.clean), for a caller that comes through no form or
+    serializer (host code, a command): QuerySet.update() and create() run no validators,
+    so the services run them."""
+    checks = {
+        "url": lambda url: validate_endpoint_url(
+            url, egress_policy_for(tenant_id=tenant_id, endpoint_id=endpoint_id)
+        ),
+        "headers": validate_endpoint_headers,
+    }
+    for name, check in checks.items():
+        if name not in fields:
+            continue
+        try:
+            check(fields[name])
+        except ValidationError as exc:
+            raise DomainError(f"{name}: {' '.join(exc.messages)}") from exc
 
 
 def endpoint_rotate_secret(
@@ -425,6 +450,7 @@ def endpoint_update(*, endpoint: Endpoint, **changes: Any) -> Endpoint:
     unknown = set(changes) - ENDPOINT_UPDATABLE
     if unknown:
         raise DomainError(f"cannot change {sorted(unknown)}")
+    _check_endpoint_fields(changes, tenant_id=endpoint.tenant_id, endpoint_id=endpoint.id)
     enabled = changes.pop("enabled", None)
     with transaction.atomic():
         if changes:

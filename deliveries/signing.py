@@ -63,8 +63,8 @@ def delivery_headers(
     body: bytes,
 ) -> dict[str, str]:
     """The headers of one delivery attempt: the endpoint's custom headers (already
-    stripped of the protocol's names, in any case: ``worker.PROTOCOL_HEADERS``), then the
-    protocol's. ``msg_id`` is both the ``webhook-id`` and the ``Idempotency-Key``: the
+    held to ``deliveries.headers``, which keeps out the protocol's names in any case),
+    then the protocol's. ``msg_id`` is both the ``webhook-id`` and the ``Idempotency-Key``: the
     delivery id, the same on every copy."""
     return {
         **custom,

@@ -54,7 +54,7 @@ from django.db import (
 from django.utils import timezone
 
 from deliveries.conf import settings
-from project.metrics import (
+from deliveries.prometheus import (
     ATTEMPTS,
     DELIVERIES_FINISHED,
     DISPATCH_DURATION,
@@ -66,6 +66,7 @@ from . import broker as transport
 from . import jobs, state, tracing, wakeup
 from .egress import EgressError, EgressSession
 from .faults import crash_point
+from .headers import sendable_headers
 from .metrics import ENDPOINT_LABELS
 from .models import Endpoint, endpoint_timeout
 from .policy import RetryPolicy, classify, parse_retry_after
@@ -86,19 +87,6 @@ SLOT_WAIT = 0.01
 # batch start the moment answers come in, while the batch that answered is recorded.
 PREFETCH = 0.5
 
-# Headers the protocol owns; an endpoint's custom headers cannot replace them.
-PROTOCOL_HEADERS = frozenset(
-    {
-        "content-type",
-        "webhook-id",
-        "webhook-timestamp",
-        "webhook-signature",
-        "idempotency-key",
-        "content-length",
-        "host",
-    }
-)
-
 
 @dataclass(frozen=True)
 class Target:
@@ -110,6 +98,8 @@ class Target:
     # Networks staff opened for this endpoint's tenant or for the endpoint
     # (selectors.allowed_networks), admitted on top of EGRESS_ALLOW_NETWORKS.
     allow_networks: tuple = ()
+    # Names of stored custom headers the header rule refuses: not sent, and recorded.
+    dropped_headers: tuple[str, ...] = ()
 
 
 @dataclass
@@ -198,17 +188,33 @@ def _claim(messages: list[tuple[object, transport.Message]], lease_seconds: floa
     )
     allowed = allowed_networks((tenant_id, endpoint_id) for endpoint_id, tenant_id, *_ in endpoints)
     for endpoint_id, tenant_id, url, timeout, headers, retry_client_errors in endpoints:
+        sent, dropped = sendable_headers(headers)
+        if dropped:
+            _log_dropped_headers(endpoint_id, dropped)
         targets[endpoint_id] = Target(
             url=url,
             timeout=endpoint_timeout(timeout),
-            headers={
-                k: str(v) for k, v in (headers or {}).items() if k.lower() not in PROTOCOL_HEADERS
-            },
+            headers=sent,
             retry_client_errors=retry_client_errors,
             secrets=tuple(secrets.get(endpoint_id, ())),
             allow_networks=allowed[(tenant_id, endpoint_id)],
+            dropped_headers=tuple(dropped),
         )
     return Claimed(leased=leased, targets=targets, skipped=skipped)
+
+
+def _log_dropped_headers(endpoint_id, names: list[str]) -> None:
+    """An endpoint row holds custom headers the rule refuses (written before it, or
+    past the services): they are never sent. Once per endpoint per batch; names only,
+    the values may be credentials."""
+    logger.warning(
+        "endpoint headers not sent",
+        extra={
+            "action": "workers.headers_dropped",
+            "endpoint_id": str(endpoint_id),
+            "headers": names,
+        },
+    )
 
 
 def _observe(results: list[state.AttemptResult]) -> None:
@@ -574,6 +580,7 @@ class Worker:
         # the protocol (webhook-id and Idempotency-Key are the delivery id).
         logged_headers = {"webhook-timestamp": str(timestamp)}
         logged_headers.update(dict.fromkeys(target.headers, "[redacted]"))
+        logged_headers.update(dict.fromkeys(target.dropped_headers, "[dropped]"))
         started = datetime.now(UTC)
         try:
             response = await self.egress.post(

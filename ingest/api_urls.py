@@ -2,6 +2,6 @@ from rest_framework.routers import SimpleRouter
 
 from .api import BackfillRunViewSet
 
-# Mounted at /api/v1/ by project/urls.py, beside deliveries' routes.
+# Mounted at /api/v1/ by deliveries.urls, beside deliveries' routes.
 router = SimpleRouter(trailing_slash="/?")
 router.register("backfill-runs", BackfillRunViewSet, basename="backfill-run")

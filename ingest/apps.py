@@ -8,12 +8,15 @@ from ingest.conf import settings
 class IngestConfig(AppConfig):
     name = "ingest"
     verbose_name = "Inbound webhooks"
+    # Composed by deliveries.urls: this app's API routes and the receiver.
+    api_router = "ingest.api_urls.router"
+    urls_module = "ingest.urls"
 
     def ready(self) -> None:
         from django.db.models.signals import post_delete, post_save
 
         from deliveries import alerts, jobs, retention
-        from project.metrics import register_provider
+        from deliveries.prometheus import register_provider
 
         from .alerts import verification_failure_check
         from .metrics import inbound_gauges, polling_gauges

@@ -1,11 +1,11 @@
-"""The inbound side's database gauges, registered with ``project.metrics``."""
+"""The inbound side's database gauges, registered with ``deliveries.prometheus``."""
 
 from collections.abc import Iterable
 
 from django.db.models import Count
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from project.metrics import add_state_counts
+from deliveries.prometheus import add_state_counts
 
 from .models import (
     BackfillRun,

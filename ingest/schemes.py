@@ -42,6 +42,8 @@ from datetime import UTC, datetime
 from typing import Any, ClassVar
 from urllib.parse import parse_qs
 
+from deliveries.text import text_problem
+
 REASONS = frozenset(
     {
         "missing_signature",
@@ -99,6 +101,15 @@ class EventMeta:
     event_type: str  # "" if unknown
     occurred_at: datetime | None  # the event's own time (aware UTC) when the provider says
     entity_id: str  # "" if none; the key of the entity lock that orders handlers
+
+    def __post_init__(self) -> None:
+        # Each becomes a text column. NUL (PostgreSQL refuses it) or a lone surrogate
+        # (UTF-8 cannot encode it) would fail the insert on every retry of the provider;
+        # refused here, the body is stored as rejected evidence instead. Reason:
+        # "nul_in_event_id", "surrogate_in_entity_id", ...
+        for name in ("event_id", "event_type", "entity_id"):
+            if problem := text_problem(getattr(self, name)):
+                raise UnparseableBody(f"{problem}_in_{name}")
 
 
 # --- shared primitives ---------------------------------------------------------------

@@ -32,23 +32,22 @@ from django.db import (
 from django.db.models import F
 from django.utils import timezone
 
-from deliveries import encryption
+from deliveries import encryption, ratelimit
 from deliveries.broker import Message
 from deliveries.ids import UUID7_SQL, uuid7
 from deliveries.locks import entity_lock_acquire, entity_lock_release, entity_locks_acquire
 from deliveries.models import Outbox
 from deliveries.policy import RetryPolicy
-from deliveries.sql import bound_cursor
-from deliveries.state import message_key
-from ingest.conf import settings
-from project import ratelimit
-from project.metrics import (
+from deliveries.prometheus import (
     INBOUND_HANDLER_DURATION,
     INBOUND_PROCESSED,
     INBOUND_RECEIVED,
     INBOUND_REFUSED,
     INBOUND_SIGNATURE_FAILURES,
 )
+from deliveries.sql import bound_cursor
+from deliveries.state import message_key
+from ingest.conf import settings
 
 from .handlers import ParsedEvent, handlers_for
 from .models import (
@@ -124,7 +123,7 @@ def source_create(
 
 def source_throttle(source: Source) -> int:
     """Seconds to wait if ``source`` is over its rate limit this second, else 0. Counted
-    per second in the shared cache (project/ratelimit.py): the limit holds across every
+    per second in the shared cache (deliveries/ratelimit.py): the limit holds across every
     web process and host."""
     if not source.rate_limit:
         return 0

@@ -2,19 +2,23 @@
 inside the request; the worker processes the stored event later.
 
 Order of checks, each with its status: method (405), source known and enabled (404),
-rate limit (429 with Retry-After), content type and content encoding (415: providers sign
-the bytes they send and none compresses them), body size while reading (413, without
-buffering past the limit; chunked bodies too), a body that stops arriving (408: the
-server's read timeout fired, or the client went away mid-body) or a malformed chunked
-body (400), signature over the raw bytes (401, generic body),
-then parse (400, stored as rejected since it was authentic), then one short transaction
-that inserts the event or counts a duplicate (200 either way).
+rate limit (429 with Retry-After), a header holding NUL (400: the event keeps its
+headers, and PostgreSQL cannot store NUL), content type and content encoding (415:
+providers sign the bytes they send and none compresses them), body size while reading
+(413, without buffering past the limit; chunked bodies too), a body that stops arriving
+(408: the server's read timeout fired, or the client went away mid-body) or a malformed
+chunked body (400), signature over the raw bytes (401, generic body), then parse (400,
+stored as rejected since it was authentic: also when its id, type or entity holds text
+the database refuses), then one short transaction that inserts the event or counts a
+duplicate (200 either way).
 """
 
 import logging
 
 from django.http import JsonResponse, UnreadablePostError
 from django.views.decorators.csrf import csrf_exempt
+
+from deliveries.text import text_problem
 
 from . import services
 from .schemes import Request
@@ -92,6 +96,9 @@ def receive(request, slug: str):
     wait = services.source_throttle(source)
     if wait:
         return _error(429, "throttled", "Too many requests.", {"Retry-After": str(wait)})
+    if _unstorable_header(request):
+        services.count_refusal(source, "bad_header", request)
+        return _error(400, "bad_header", "A header holds a NUL byte.")
     content_type = request.content_type.lower()
     if content_type not in source.accepted_content_types:
         services.count_refusal(source, "content_type", request)
@@ -120,6 +127,12 @@ def receive(request, slug: str):
     return JsonResponse(
         {"status": "duplicate" if outcome.duplicate else "accepted", "id": str(outcome.event_id)}
     )
+
+
+def _unstorable_header(request) -> bool:
+    """A header name or value the stored event could not keep (``deliveries.text``).
+    gunicorn refuses NUL in headers before the application runs; other servers may not."""
+    return any(text_problem(name) or text_problem(value) for name, value in request.headers.items())
 
 
 def _remote(request) -> str:

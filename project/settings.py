@@ -55,8 +55,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
-    # Admin pages: input the database refuses gets 400, not 500 (project/admin_input.py).
-    "project.admin_input.AdminInputMiddleware",
+    # Admin pages: input the database refuses gets 400, not 500 (deliveries/admin_input.py).
+    "deliveries.admin_input.AdminInputMiddleware",
 ]
 
 ROOT_URLCONF = "project.urls"
@@ -125,7 +125,7 @@ elif DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # --- Cache ------------------------------------------------------------------------------
-# The throttles count here (project/ratelimit.py), so every web process and host must
+# The throttles count here (deliveries/ratelimit.py), so every web process and host must
 # share it: a per-process cache (locmem) lets each gunicorn process have the whole rate.
 # CACHE_URL in django-environ's form (rediscache://127.0.0.1:6379/1, Django's Redis
 # backend); unset, the database cache, whose table deliveries' migrations create.
@@ -173,7 +173,14 @@ X_FRAME_OPTIONS = "DENY"
 REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.CursorPagination",
+    # JSON bodies held to deliveries.text (no NUL, no lone surrogates, bounded nesting).
+    "DEFAULT_PARSER_CLASSES": [
+        "deliveries.api.parsers.StrictJSONParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
+    # Cursors are checked before they reach a query (deliveries/api/pagination.py).
+    "DEFAULT_PAGINATION_CLASS": "deliveries.api.pagination.NewestFirst",
     "PAGE_SIZE": 50,
     "EXCEPTION_HANDLER": "deliveries.api.errors.exception_handler",
     "UNAUTHENTICATED_USER": None,

@@ -4,7 +4,8 @@
 """
 
 from django.core.exceptions import ValidationError as DjangoValidationError
-from django.http import Http404, UnreadablePostError
+from django.http import Http404, JsonResponse, UnreadablePostError
+from django.views.defaults import page_not_found
 from rest_framework import exceptions
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
@@ -12,11 +13,28 @@ from rest_framework.views import exception_handler as drf_exception_handler
 from ..services import DomainError
 
 
-def error_response(code: str, message: str, http_status: int, details=None, headers=None):
+def error_body(code: str, message: str, details=None) -> dict:
     body = {"error": {"code": code, "message": message}}
     if details:
         body["error"]["details"] = details
-    return Response(body, status=http_status, headers=headers)
+    return body
+
+
+def error_response(code: str, message: str, http_status: int, details=None, headers=None):
+    return Response(error_body(code, message, details), status=http_status, headers=headers)
+
+
+def not_found_under(*prefixes: str):
+    """A ``handler404`` for the root URLconf: a path under ``prefixes`` that routes
+    nowhere (an id holding "/", a typo) gets the one error shape, like a missing row;
+    any other path gets Django's page."""
+
+    def not_found(request, exception=None):
+        if request.path_info.startswith(prefixes):
+            return JsonResponse(error_body("not_found", "Not found."), status=404)
+        return page_not_found(request, exception)
+
+    return not_found
 
 
 def exception_handler(exc, context):

@@ -2,7 +2,7 @@ from rest_framework.routers import SimpleRouter
 
 from .views import DeliveryViewSet, EndpointViewSet, EventViewSet
 
-# Mounted at /api/v1/ by project/urls.py, with the other apps' routes, under one API root.
+# Mounted at /api/v1/ by deliveries.urls, with the other apps' routes, under one API root.
 router = SimpleRouter(trailing_slash="/?")
 router.register("endpoints", EndpointViewSet, basename="endpoint")
 router.register("events", EventViewSet, basename="event")

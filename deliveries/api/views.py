@@ -10,33 +10,18 @@ from django.db.models import F
 from django_filters.rest_framework import DjangoFilterBackend
 from drf_spectacular.openapi import AutoSchema
 from drf_spectacular.utils import OpenApiParameter, extend_schema
-from rest_framework import mixins, pagination, status, viewsets
+from rest_framework import mixins, parsers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
 
 from .. import services
 from ..models import Attempt, Delivery, DeliveryState, Endpoint, EndpointSecret, Event
+from ..text import text_problem
 from . import serializers as s
 from .auth import ApiKeyAuthentication, ApiKeyThrottle, IsTenant
 from .errors import exception_handler
-
-
-class NewestFirst(pagination.CursorPagination):
-    ordering = ("-created_at", "-id")
-    page_size = 50
-    page_size_query_param = "limit"
-    max_page_size = 250
-
-
-class NewestDeliveriesFirst(NewestFirst):
-    # The listing's creation time (DeliveryViewSet.get_queryset): its indexes give a
-    # tenant's or an endpoint's deliveries in this order (models.DeliveryListing).
-    ordering = ("-listed_at", "-id")
-
-
-class AttemptPages(pagination.CursorPagination):
-    ordering = ("number", "id")
-    page_size = 100
+from .pagination import AttemptPages, NewestDeliveriesFirst, NewestFirst
+from .parsers import StrictJSONParser
 
 
 class TenantScoped:
@@ -47,6 +32,7 @@ class TenantScoped:
     throttle_classes = [ApiKeyThrottle]
     pagination_class = NewestFirst
     filter_backends = [DjangoFilterBackend]
+    parser_classes = [StrictJSONParser, parsers.FormParser, parsers.MultiPartParser]
     schema = AutoSchema()
     lookup_value_regex = "[^/]+"
 
@@ -166,9 +152,10 @@ class EventViewSet(
         if key is None:
             event = services.publish_event(tenant=self.tenant, **data.validated_data)
             return Response(s.EventOutput(event).data, status=status.HTTP_201_CREATED)
-        if not key.strip() or len(key) > 255:
+        if not key.strip() or len(key) > 255 or text_problem(key):
             raise services.DomainError(
-                "Idempotency-Key must be 1 to 255 characters", code="invalid_idempotency_key"
+                "Idempotency-Key must be 1 to 255 characters, without NUL",
+                code="invalid_idempotency_key",
             )
         event, replayed = services.event_publish_idempotent(
             tenant=self.tenant,

@@ -5,6 +5,7 @@ import threading
 import uuid
 
 import pytest
+from django.core.exceptions import ValidationError
 from django.db import connection
 from django.urls import get_resolver
 from rest_framework.test import APIClient
@@ -65,6 +66,56 @@ def test_an_endpoint_url_the_egress_guard_refuses_is_a_clear_400(alice, settings
         assert r.status_code == 400, url
         assert r.json()["error"]["code"] == "invalid"
         assert "url" in r.json()["error"]["details"]
+
+
+REFUSED_URLS = [
+    "http://169.254.169.254/latest/meta-data/",
+    "http://[fd00:ec2::254]/",
+    "http://100.100.100.200/",
+    "http://2130706433/",
+    "http://10.0.0.1/hook",
+    "ftp://example.com/",
+    "https://user:pw@example.com/",
+]
+
+
+@pytest.mark.parametrize("url", REFUSED_URLS)
+def test_the_admin_the_model_and_the_services_refuse_the_urls_the_api_refuses(
+    url, alice, admin_client, settings
+):
+    client, tenant, _ = alice
+    settings.EGRESS_ALLOW_NETWORKS = []
+    assert client.post("/api/v1/endpoints/", {"url": url}, format="json").status_code == 400
+
+    page = admin_client.post(
+        "/admin/deliveries/endpoint/add/",
+        {"tenant": str(tenant.id), "url": url, "description": "", "event_types": "[]"},
+    )
+    assert page.status_code == 200  # the form again, with the error; no redirect
+    # Django's own URL check may speak first (it refuses "2130706433" as a host too).
+    assert b"cannot receive webhooks" in page.content or b"Enter a valid URL" in page.content
+    with pytest.raises(services.DomainError, match="cannot receive webhooks"):
+        services.endpoint_create(tenant=tenant, url=url)
+    endpoint, _ = services.endpoint_create(tenant=tenant, url="https://example.com/ok")
+    with pytest.raises(services.DomainError, match="cannot receive webhooks"):
+        services.endpoint_update(endpoint=endpoint, url=url)
+    endpoint.url = url
+    with pytest.raises(ValidationError) as refused:
+        endpoint.full_clean()
+    assert "url" in refused.value.message_dict
+    assert list(Endpoint.objects.values_list("url", flat=True)) == ["https://example.com/ok"]
+
+
+def test_the_admin_form_still_creates_an_endpoint_with_an_allowed_url(alice, admin_client):
+    _client, tenant, _ = alice
+
+    page = admin_client.post(
+        "/admin/deliveries/endpoint/add/",
+        {"tenant": str(tenant.id), "url": "https://example.com/ok", "event_types": "[]"},
+    )
+
+    assert page.status_code == 302, page.content[:2000]
+    assert Endpoint.objects.get(tenant=tenant).url == "https://example.com/ok"
 
 
 def test_custom_headers_are_write_only_and_protocol_headers_are_refused(alice):

@@ -9,7 +9,7 @@ from django.core.exceptions import ValidationError
 from rest_framework.test import APIClient
 
 from deliveries import services
-from deliveries.models import Attempt, AuditEntry, Delivery, EgressAllowance
+from deliveries.models import Attempt, AuditEntry, Delivery, EgressAllowance, Endpoint
 from ingest.poller import poll_source_create, poll_source_run
 from tests.conftest import drain
 from tests.ingest.fake_provider import FakeProvider, StaticRecords
@@ -18,6 +18,16 @@ from tests.ingest.fake_provider import FakeProvider, StaticRecords
 @pytest.fixture(autouse=True)
 def _nothing_open_for_everyone(settings):
     settings.EGRESS_ALLOW_NETWORKS = []
+
+
+def endpoint_once_allowed(tenant, url):
+    """An endpoint stored while an allowance opened its network, the allowance since
+    revoked: the URL rule lets no endpoint be created at a closed network, so this is how
+    one reaches the worker."""
+    allowance = EgressAllowance.objects.create(tenant=tenant, network="127.0.0.0/8")
+    endpoint, _ = services.endpoint_create(tenant=tenant, url=url)
+    allowance.delete()
+    return endpoint
 
 
 def attempts_by_tenant() -> dict[str, list[Attempt]]:
@@ -33,8 +43,9 @@ def test_a_network_opened_for_one_tenant_is_refused_to_every_other_tenant(receiv
     bob = services.tenant_create(name="bob")[0]
     EgressAllowance.objects.create(tenant=alice, network="127.0.0.0/8", note="internal CRM")
     receiver.behaviours["/internal"] = lambda n: (200, {}, b"internal data: payroll")
-    for tenant in (alice, bob):  # the very same URL
-        services.endpoint_create(tenant=tenant, url=receiver.url("/internal"))
+    services.endpoint_create(tenant=alice, url=receiver.url("/internal"))
+    endpoint_once_allowed(bob, receiver.url("/internal"))  # the very same URL
+    for tenant in (alice, bob):
         services.publish_event(tenant=tenant, event_type="t", payload={"who": tenant.name})
 
     drain()
@@ -55,8 +66,8 @@ def test_a_network_opened_for_one_tenant_is_refused_to_every_other_tenant(receiv
 @pytest.mark.django_db(transaction=True)
 def test_an_endpoint_allowance_opens_the_network_for_that_endpoint_alone(receiver):
     alice = services.tenant_create(name="alice")[0]
-    opened, _ = services.endpoint_create(tenant=alice, url=receiver.url("/opened"))
-    services.endpoint_create(tenant=alice, url=receiver.url("/other"))
+    opened = endpoint_once_allowed(alice, receiver.url("/opened"))
+    endpoint_once_allowed(alice, receiver.url("/other"))
     EgressAllowance.objects.create(tenant=alice, endpoint=opened, network="127.0.0.1/32")
     services.publish_event(tenant=alice, event_type="t", payload={})
 
@@ -73,7 +84,7 @@ def test_an_endpoint_allowance_opens_the_network_for_that_endpoint_alone(receive
 def test_an_allowance_cannot_name_another_tenants_endpoint(receiver):
     alice = services.tenant_create(name="alice")[0]
     bob = services.tenant_create(name="bob")[0]
-    bobs, _ = services.endpoint_create(tenant=bob, url=receiver.url("/bob"))
+    bobs = endpoint_once_allowed(bob, receiver.url("/bob"))
     with pytest.raises(ValidationError, match="another tenant"):
         services.egress_allowance_save(
             allowance=EgressAllowance(tenant=alice, endpoint=bobs, network="127.0.0.0/8")
@@ -179,3 +190,17 @@ def test_staff_open_a_network_in_the_admin_audited_and_only_with_the_add_permiss
     assert entry.actor == staff and entry.details["network"] == "10.20.0.0/16"
     page = client.get(f"/admin/deliveries/egressallowance/{allowance.pk}/delete/")
     assert page.status_code == 403  # no delete permission
+
+
+@pytest.mark.django_db
+def test_the_admin_form_and_full_clean_count_the_tenants_allowances():
+    alice = services.tenant_create(name="alice")[0]
+    bob = services.tenant_create(name="bob")[0]
+    EgressAllowance.objects.create(tenant=alice, network="10.20.0.0/16")
+    url = "http://10.20.3.4/hook"
+
+    Endpoint(tenant=alice, url=url).full_clean()  # opened for alice
+    with pytest.raises(ValidationError, match="cannot receive webhooks"):
+        Endpoint(tenant=bob, url=url).full_clean()
+    with pytest.raises(ValidationError, match="cannot receive webhooks"):
+        Endpoint(tenant=alice, url="http://169.254.169.254/latest/").full_clean()

@@ -191,6 +191,78 @@ def test_an_authentic_body_that_does_not_parse_is_stored_as_rejected(stripe, app
     assert applied == []
 
 
+# Text PostgreSQL cannot store (NUL) or UTF-8 cannot encode (a lone surrogate), as JSON
+# escapes in a validly signed body.
+UNSTORABLE = {"nul": "\\u0000", "surrogate": "\\ud800"}
+FIELDS = {
+    "event_id": '{"id": "evt_%s", "type": "invoice.paid", "data": {"object": {"id": "in_1"}}}',
+    "event_type": '{"id": "evt_1", "type": "invoice.%s", "data": {"object": {"id": "in_1"}}}',
+    "entity_id": '{"id": "evt_1", "type": "invoice.paid", "data": {"object": {"id": "in_%s"}}}',
+}
+
+
+@pytest.mark.parametrize("text", UNSTORABLE)
+@pytest.mark.parametrize("field", FIELDS)
+def test_a_signed_body_whose_id_type_or_entity_the_database_refuses_is_stored_rejected(
+    stripe, applied, field, text
+):
+    body = (FIELDS[field] % UNSTORABLE[text]).encode()
+
+    first, retry = post(body), post(body)
+
+    for answer in (first, retry):
+        assert answer.status_code == 400
+        assert answer.json() == {
+            "error": {"code": "unparseable", "message": "The body could not be parsed."}
+        }
+    event = InboundEvent.objects.get()
+    assert event.state == "rejected"
+    assert event.last_error == f"unparseable: {text}_in_{field}"
+    assert bytes(event.body) == body
+    assert event.duplicates == 1  # the provider's retry is the same rejected evidence
+    assert VerificationFailure.objects.get(reason=f"unparseable_{text}_in_{field}").count == 2
+    drain()
+    assert applied == []
+
+
+def test_a_nul_in_a_body_field_the_scheme_does_not_read_is_accepted(stripe, applied):
+    # The body is stored as bytes, exactly as signed: only the fields that become text
+    # columns have to be storable text.
+    body = stripe_event("evt_nul", note="a\u0000b")
+
+    assert post(body).status_code == 200
+    drain()
+    assert [effect[0] for effect in applied] == ["evt_nul"]
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"x-github-delivery": "d\x00"},
+        {"x-note": "a\x00b"},
+        {"x-n\x00te": "v"},
+    ],
+)
+def test_a_header_holding_a_nul_byte_is_a_400_and_stores_nothing(headers):
+    source_create(slug="gh", scheme="github", secrets=[SECRET])
+    body = b'{"action": "opened"}'
+    signed = get_scheme("github").sign(body=body, secret=SECRET, event_id="d1")
+    signed.pop("content-type")
+    signed.update(headers)
+
+    r = Client().post(
+        "/ingest/gh/",
+        body,
+        content_type="application/json",
+        **{f"HTTP_{k.upper().replace('-', '_')}": v for k, v in signed.items()},
+    )
+
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "bad_header"
+    assert InboundEvent.objects.count() == 0
+    assert VerificationFailure.objects.get(reason="bad_header").count == 1
+
+
 def test_per_source_rate_limit_answers_429_with_retry_after(stripe):
     from django.core.cache import cache
 

@@ -667,6 +667,35 @@ def test_an_over_long_event_id_is_unparseable_not_truncated():
     assert exc.value.reason == "event_id_too_long"
 
 
+# Where each scheme reads the event id, type and entity, holding text a text column
+# cannot take: every scheme refuses it as unparseable, with the field in the reason.
+UNSTORABLE_META = [
+    ("stripe", {}, b'{"id": "e\\u0000"}', "nul_in_event_id"),
+    ("stripe", {}, b'{"id": "e", "type": "\\ud800"}', "surrogate_in_event_type"),
+    ("stripe", {}, b'{"id": "e", "data": {"object": {"id": "\\u0000"}}}', "nul_in_entity_id"),
+    ("standard", {"webhook-id": "m\x00"}, b"{}", "nul_in_event_id"),
+    ("standard", {"webhook-id": "m"}, b'{"data": {"id": "\\udfff"}}', "surrogate_in_entity_id"),
+    ("github", {"x-github-delivery": "d", "x-github-event": "p\x00"}, b"{}", "nul_in_event_type"),
+    ("shopify", {"x-shopify-webhook-id": "w\x00"}, b"{}", "nul_in_event_id"),
+    (
+        "slack",
+        {"content-type": "application/json"},
+        b'{"event_id": "\\ud800"}',
+        "surrogate_in_event_id",
+    ),
+    ("hmac", {}, b'{"id": "a", "type": "t\\u0000"}', "nul_in_event_type"),
+]
+
+
+@pytest.mark.parametrize(("scheme_id", "headers", "body", "reason"), UNSTORABLE_META)
+def test_an_id_type_or_entity_a_text_column_cannot_take_is_unparseable(
+    scheme_id, headers, body, reason
+):
+    with pytest.raises(UnparseableBody) as exc:
+        meta(SCHEMES_UNDER_TEST[scheme_id], headers, body)
+    assert exc.value.reason == reason
+
+
 @pytest.mark.parametrize(
     "body", [b"", b"{", b"\xff\xfe\x00", b"[" * 100_000, b'{"id": 1' + b"0" * 5000 + b"}"]
 )

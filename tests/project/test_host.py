@@ -59,6 +59,30 @@ def test_a_host_with_none_of_the_apps_settings_passes_check_and_migrates(tmp_pat
     ]
 
 
+# A tenant's API call through the host's URLconf, with DRF's settings left at DRF's
+# defaults: the API still pages, answers errors in its one shape and throttles.
+CALL_THE_API = """
+import json
+from django.test import Client
+from deliveries import services
+_, key = services.tenant_create(name="host")
+client = Client(HTTP_AUTHORIZATION=f"Bearer {key}")
+listed = client.get("/api/v1/events/")
+missing = client.get("/api/v1/events/no-such-event/")
+print(json.dumps([listed.status_code, sorted(listed.json()), missing.json()]))
+"""
+
+
+def test_a_host_without_rest_framework_settings_serves_the_api_as_documented(tmp_path):
+    assert host("migrate", "--no-input", tmp_path=tmp_path).returncode == 0
+    called = host("shell", "-c", CALL_THE_API, tmp_path=tmp_path)
+    assert called.returncode == 0, called.stderr
+    status, keys, missing = json.loads(called.stdout.strip().splitlines()[-1])
+    assert status == 200
+    assert keys == ["next", "previous", "results"]
+    assert missing["error"]["code"] == "not_found"
+
+
 def test_a_host_misconfiguration_is_reported_with_its_stable_id(tmp_path):
     bad = host("check", tmp_path=tmp_path, DJANGO_SETTINGS_MODULE="tests.host_settings_bad")
     assert bad.returncode != 0

@@ -9,6 +9,7 @@ from django.db import connection
 from django.test import Client
 from django.utils import timezone
 
+from deliveries import prometheus as metrics
 from deliveries import services, state
 from deliveries.loops import relay_tick, scheduler_tick
 from deliveries.metrics import EndpointLabels
@@ -16,7 +17,6 @@ from deliveries.models import Delivery, LoopRun, Outbox
 from ingest import handlers
 from ingest.schemes import get_scheme
 from ingest.services import source_create
-from project import metrics
 from tests.conftest import drain, run_workers, scrape, value
 from tests.receiver import always
 

@@ -41,7 +41,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from deliveries.conf import settings
 
-logger = logging.getLogger("project.metrics")
+logger = logging.getLogger("deliveries.prometheus")
 
 # --- Process counters and histograms ---------------------------------------------------
 
