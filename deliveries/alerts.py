@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from urllib.parse import urlsplit
 
-from django.conf import settings
 from django.core.mail import send_mail
 from django.db import IntegrityError, transaction
 from django.db.models import Count, F
 from django.utils import timezone
 
+from deliveries.conf import settings
 from deliveries.prometheus import OPERATIONAL_EVENTS
 
 from .models import AlertCheckpoint, Delivery, DeliveryState, Endpoint, OperationalEvent, Tenant

@@ -29,14 +29,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
-from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
-from django_q.brokers import Broker, get_broker
+from django.utils.module_loading import import_string
+from django_q.brokers import Broker
 from django_q.brokers.redis_broker import Redis
 from django_q.conf import Conf
+
+from deliveries.conf import settings
 
 from . import wakeup
 from .models import QueueMessage
@@ -261,7 +263,9 @@ def broker() -> Broker:
     django-q2's default (its cluster's queue), which a qcluster reads."""
     if shares_tasks_queue():
         raise ImproperlyConfigured(QUEUES_SHARED)
-    return get_broker(settings.QUEUE_NAME)
+    # Built from the app's own setting, not django-q2's Q_CLUSTER["broker_class"] (the
+    # host's, which a host may not have: django-q2 would then pick Redis).
+    return import_string(settings.QUEUE_BROKER_CLASS)(list_key=settings.QUEUE_NAME)
 
 
 QUEUES_SHARED = (
@@ -271,10 +275,17 @@ QUEUES_SHARED = (
 )
 
 
+def tasks_queue_name() -> str:
+    """django-q2's cluster queue as django-q2 reads it (``Q_CLUSTER`` at start-up, or the
+    ``Q_CLUSTER_NAME`` environment variable; ``"default"`` for a host without either)."""
+    return Conf.CLUSTER_NAME
+
+
 def shares_tasks_queue() -> bool:
-    """Whether the pipeline's queue is django-q2's: its cluster name as django-q2 reads
-    it (``Q_CLUSTER`` at start-up, or the ``Q_CLUSTER_NAME`` environment variable)."""
-    return settings.QUEUE_NAME in {Conf.CLUSTER_NAME, settings.Q_CLUSTER.get("name")}
+    """Whether the pipeline's queue is django-q2's (its cluster name now, or as the
+    host's ``Q_CLUSTER`` names it)."""
+    named = getattr(settings, "Q_CLUSTER", {}).get("name")
+    return settings.QUEUE_NAME in {tasks_queue_name(), named}
 
 
 # Uniform batch operations over any django-q2 broker: ours and django-q2's Redis broker

@@ -2,10 +2,11 @@
 
 import ipaddress
 
-from django.conf import settings
 from django.core.checks import Error, Tags, Warning, register
 from django.db import connections
 from django.utils.module_loading import import_string
+
+from deliveries.conf import settings
 
 
 @register()

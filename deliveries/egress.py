@@ -49,9 +49,10 @@ from typing import Any
 
 import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
-from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured, ValidationError
 from yarl import URL
+
+from deliveries.conf import settings
 
 from .headers import HEADER_NAME
 

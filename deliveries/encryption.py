@@ -25,9 +25,10 @@ from collections.abc import Iterable
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
+
+from deliveries.conf import settings
 
 logger = logging.getLogger("deliveries.encryption")
 

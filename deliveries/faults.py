@@ -16,7 +16,7 @@ soak run the real commands with it set. The named points:
 
 import os
 
-from django.conf import settings
+from deliveries.conf import settings
 
 POINTS = frozenset(
     {"relay.before_publish", "relay.after_publish", "worker.after_lease", "worker.after_send"}

@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
-from django.conf import settings
 from django.db import (
     DatabaseError,
     InterfaceError,
@@ -31,6 +30,7 @@ from django.db import (
 from django.db.models import Q
 from django.utils import timezone
 
+from deliveries.conf import settings
 from deliveries.prometheus import LEASE_EXPIRIES, LOST_DISPATCHES
 
 from . import broker as transport

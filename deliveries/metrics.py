@@ -11,11 +11,11 @@ import time
 import uuid
 from collections.abc import Iterable
 
-from django.conf import settings
 from django.db import connection
 from django.db.models import Count, Max, Min
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from deliveries.conf import settings
 from deliveries.prometheus import add_state_counts
 
 from .models import Delivery, DeliveryState, LoopRun, Outbox

@@ -9,10 +9,11 @@ import contextlib
 import ipaddress
 import uuid
 
-from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import models
 from django.db.models import Q
+
+from deliveries.conf import settings
 
 from . import encryption
 from .egress import ErrorKind, validate_endpoint_url

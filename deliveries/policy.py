@@ -123,7 +123,7 @@ class RetryPolicy:
 
     @classmethod
     def from_settings(cls) -> "RetryPolicy":
-        from django.conf import settings
+        from deliveries.conf import settings
 
         return cls(
             schedule=tuple(float(s) for s in settings.DELIVERY_RETRY_SCHEDULE),

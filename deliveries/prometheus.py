@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import Count
 from django.http import HttpResponse, HttpResponseForbidden
@@ -39,6 +38,8 @@ from prometheus_client import (
     multiprocess,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
+
+from deliveries.conf import settings
 
 logger = logging.getLogger("deliveries.prometheus")
 

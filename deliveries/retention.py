@@ -24,11 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django.conf import settings
 from django.db import transaction
 from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.utils import timezone
 
+from deliveries.conf import settings
 from deliveries.prometheus import PRUNED_ROWS
 
 from .models import Delivery, DeliveryState, Event, LoopRun, OperationalEvent, Outbox

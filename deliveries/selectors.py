@@ -7,9 +7,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from django.conf import settings
 from django.db import connection
 from django.utils import timezone
+
+from deliveries.conf import settings
 
 from .egress import EgressPolicy, IPNetwork
 from .models import Delivery, DeliveryState, EgressAllowance, LoopRun, Outbox

@@ -11,11 +11,12 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, connection, transaction
 from django.db.models import Q
 from django.utils import timezone
+
+from deliveries.conf import settings
 
 from . import encryption, state, tracing, wakeup
 from .egress import validate_endpoint_url

@@ -22,8 +22,9 @@ The scheduler is a batch clock over many events and opens no spans.
 import logging
 from typing import Any
 
-from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
+
+from deliveries.conf import settings
 
 logger = logging.getLogger("deliveries.tracing")
 

@@ -44,7 +44,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
-from django.conf import settings
 from django.db import (
     InterfaceError,
     OperationalError,
@@ -54,6 +53,7 @@ from django.db import (
 )
 from django.utils import timezone
 
+from deliveries.conf import settings
 from deliveries.prometheus import (
     ATTEMPTS,
     DELIVERIES_FINISHED,

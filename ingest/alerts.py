@@ -4,10 +4,10 @@ broken secret rotation, or someone probing). Registered with ``deliveries.alerts
 from collections import defaultdict
 from datetime import datetime
 
-from django.conf import settings
 from django.db import transaction
 
 from deliveries.alerts import Kind, Signal, checkpoint
+from ingest.conf import settings
 
 from .models import VerificationFailure
 

@@ -1,7 +1,8 @@
 from importlib import import_module
 
 from django.apps import AppConfig
-from django.conf import settings
+
+from ingest.conf import settings
 
 
 class IngestConfig(AppConfig):

@@ -18,12 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.conf import settings
 from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
 from deliveries.loops import Heartbeat
+from ingest.conf import settings
 
 from .models import BackfillRun, BackfillState, InboundEvent, PollSource
 from .poller import Lease, LeaseLost

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from deliveries.locks import entity_lock_acquire, entity_lock_release
 from deliveries.models import EntityLock
+from ingest.conf import settings
 
 from .models import PollSource, Source
 from .polling import Cursor, PollError, adapter_for, http_json_config, read_changes

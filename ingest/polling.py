@@ -31,11 +31,11 @@ from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any
 
-from django.conf import settings
 from yarl import URL
 
 from deliveries.egress import EgressError, EgressPolicy, EgressSession
 from deliveries.selectors import egress_policy_for
+from ingest.conf import settings
 
 from .schemes import MAX_EVENT_ID_LENGTH, _dig, _from_iso, _from_unix
 from .services import NewEvent

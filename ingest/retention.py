@@ -5,10 +5,10 @@ provider's late retry a duplicate instead of a second processing."""
 
 from datetime import datetime, timedelta
 
-from django.conf import settings
 from django.db.models import QuerySet
 
 from deliveries.retention import Pruner
+from ingest.conf import settings
 
 from .models import InboundEvent, InboundState, Source
 

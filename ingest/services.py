@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import NamedTuple
 
-from django.conf import settings
 from django.db import (
     DatabaseError,
     IntegrityError,
@@ -48,6 +47,7 @@ from deliveries.prometheus import (
 )
 from deliveries.sql import bound_cursor
 from deliveries.state import message_key
+from ingest.conf import settings
 
 from .handlers import ParsedEvent, handlers_for
 from .models import (

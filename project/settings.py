@@ -1,14 +1,20 @@
-"""Settings for the webhook service.
+"""Settings of the standalone service: a thin host of the apps.
 
 Every value comes from the environment through one ``environ.Env`` object, read with a
-type. The README's "Settings" table documents each one; ``deliveries/checks.py`` turns a
-misconfiguration into a system-check error with a stable id instead of a surprise later.
+type. The apps' own settings take their defaults from the apps (deliveries/conf.py,
+ingest/conf.py), so each default is written once; what is set here is the host's:
+database, cache, security, REST, mail, logging, django-q2's cluster. docs/settings.md
+documents each one; ``deliveries/checks.py`` turns a misconfiguration into a
+system-check error with a stable id instead of a surprise later.
 """
 
 import importlib.util
 from pathlib import Path
 
 import environ
+
+from deliveries import conf as deliveries_conf
+from ingest import conf as ingest_conf
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = BASE_DIR / "var"
@@ -163,100 +169,35 @@ SECURE_HSTS_PRELOAD = env.bool("SECURE_HSTS_PRELOAD", default=False)
 SECURE_CONTENT_TYPE_NOSNIFF = True
 X_FRAME_OPTIONS = "DENY"
 
-# --- Secrets at rest (deliveries/encryption.py, docs/operations.md) -------------------
-# Fernet keys, newest first: the first encrypts the secrets the service stores (endpoint
-# signing secrets, inbound source secrets, poll sources' auth secrets), any of them
-# decrypts. Empty: one key derived from SECRET_KEY, for development only (`check
-# --deploy` says so, deliveries.W030). Rotate by putting a new key first, running
-# `manage.py rotate_encryption_keys`, then removing the old one.
-SECRETS_ENCRYPTION_KEYS = env.list("SECRETS_ENCRYPTION_KEYS", default=[])
-
 # --- REST -----------------------------------------------------------------------------
 # The product's API configures its own views (deliveries/api/base.py): a host's
 # REST_FRAMEWORK, the standalone service's included, changes nothing there.
-API_THROTTLE_RATE = env.str("API_THROTTLE_RATE", default="50/s")
 
-# --- Egress ---------------------------------------------------------------------------
-# CIDRs the egress guard admits although they are private or loopback. Empty by default.
-# Cloud metadata addresses stay refused whatever this says.
-EGRESS_ALLOW_NETWORKS = env.list("EGRESS_ALLOW_NETWORKS", default=[])
-# Bytes of a receiver's response that are read at most; the rest is cut off unread.
-EGRESS_MAX_RESPONSE_BYTES = env.int("EGRESS_MAX_RESPONSE_BYTES", default=64 * 1024)
-EGRESS_CONNECT_TIMEOUT = env.float("EGRESS_CONNECT_TIMEOUT", default=5.0)
+# --- The apps' settings (docs/settings.md) --------------------------------------------
+# Every setting the apps read, from the environment variable of the same name, with the
+# default the app carries (deliveries/conf.py, ingest/conf.py): written once, there. The
+# default's type is the type read; a tuple is a comma-separated list of its items' type.
 
-# --- Delivery policy ------------------------------------------------------------------
-# Seconds between attempts; its length is the number of retries. Default: Standard
-# Webhooks' example schedule, about three days in all.
-DELIVERY_RETRY_SCHEDULE = env.list(
-    "DELIVERY_RETRY_SCHEDULE",
-    cast=float,
-    default=[5, 300, 1800, 7200, 18000, 36000, 50400, 72000, 86400],
-)
-DELIVERY_RETRY_JITTER = env.float("DELIVERY_RETRY_JITTER", default=0.2)
-DELIVERY_RETRY_AFTER_MAX = env.float("DELIVERY_RETRY_AFTER_MAX", default=6 * 3600)
-DELIVERY_TIMEOUT = env.float("DELIVERY_TIMEOUT", default=15.0)
-DELIVERY_MAX_TIMEOUT = env.float("DELIVERY_MAX_TIMEOUT", default=30.0)
-DELIVERY_LEASE_SECONDS = env.float("DELIVERY_LEASE_SECONDS", default=60.0)
-DELIVERY_DISABLE_AFTER = env.float("DELIVERY_DISABLE_AFTER", default=5 * 86400)
-DELIVERY_RESPONSE_BODY_LIMIT = env.int("DELIVERY_RESPONSE_BODY_LIMIT", default=20_000)
-DELIVERY_MAX_PAYLOAD_BYTES = env.int("DELIVERY_MAX_PAYLOAD_BYTES", default=256 * 1024)
-DELIVERY_MAX_IN_FLIGHT = env.int("DELIVERY_MAX_IN_FLIGHT", default=5000)
-DELIVERY_TENANT_MAX_IN_FLIGHT = env.int("DELIVERY_TENANT_MAX_IN_FLIGHT", default=2000)
-DELIVERY_ENDPOINT_MAX_CONCURRENCY = env.int("DELIVERY_ENDPOINT_MAX_CONCURRENCY", default=500)
 
-SCHEDULER_PAGE_SIZE = env.int("SCHEDULER_PAGE_SIZE", default=1000)
-SCHEDULER_STALE_ENQUEUED_SECONDS = env.float("SCHEDULER_STALE_ENQUEUED_SECONDS", default=600.0)
-# The longest wait between passes of an idle loop (a busy one goes on at once).
-SCHEDULER_INTERVAL = env.float("SCHEDULER_INTERVAL", default=0.5)
-RELAY_PAGE_SIZE = env.int("RELAY_PAGE_SIZE", default=1000)
-RELAY_INTERVAL = env.float("RELAY_INTERVAL", default=0.5)
-# How long a relay holds the outbox rows it is publishing; a relay that dies leaves them
-# to another after this.
-RELAY_CLAIM_SECONDS = env.float("RELAY_CLAIM_SECONDS", default=30.0)
-WORKER_BATCH_SIZE = env.int("WORKER_BATCH_SIZE", default=200)
-WORKER_CONCURRENCY = env.int("WORKER_CONCURRENCY", default=512)
-WORKER_IDLE_SLEEP = env.float("WORKER_IDLE_SLEEP", default=0.05)
-# Seconds a stopping worker lets its requests in flight run before it cuts them off and
-# gives their leases back. Keep it under the process manager's stop timeout.
-WORKER_SHUTDOWN_GRACE = env.float("WORKER_SHUTDOWN_GRACE", default=25.0)
-# Seconds between heartbeats of every long-running command (scheduler, relay, workers,
-# poll loop, backfill), busy or idle. A loop silent for six of them is taken as not
-# running (deliveries.selectors.loop_stale_after, which delivery_status uses).
-LOOP_HEARTBEAT_SECONDS = env.float("LOOP_HEARTBEAT_SECONDS", default=10.0)
+def _from_env(name: str, default):
+    if isinstance(default, bool):
+        return env.bool(name, default=default)
+    if isinstance(default, int):
+        return env.int(name, default=default)
+    if isinstance(default, float):
+        return env.float(name, default=default)
+    if isinstance(default, tuple):
+        cast = type(default[0]) if default else str
+        return env.list(name, cast=cast, default=list(default))
+    return env.str(name, default=default)
 
-# Crash-boundary fault injection for tests and the soak: the name of a point in
-# deliveries/faults.py at which the process kills itself. Empty in production.
-FAULT_INJECT_AT = env.str("FAULT_INJECT_AT", default="")
-FAULT_INJECT_AFTER = env.int("FAULT_INJECT_AFTER", default=1)
 
-# --- Metrics ------------------------------------------------------------------------
-# /metrics answers a Bearer METRICS_TOKEN, or requests from these addresses that no proxy
-# relayed (deliveries/prometheus.py). None by default: a proxy on the same host relays the
-# internet from loopback. With DEBUG (make run), loopback.
-METRICS_TOKEN = env.str("METRICS_TOKEN", default="")
-METRICS_ALLOW_IPS = env.list("METRICS_ALLOW_IPS", default=["127.0.0.1", "::1"] if DEBUG else [])
-# Database gauges are recomputed at most this often per process, each provider under a
-# statement timeout (milliseconds).
-METRICS_CACHE_SECONDS = env.float("METRICS_CACHE_SECONDS", default=10.0)
-METRICS_DB_BUDGET_MS = env.int("METRICS_DB_BUDGET_MS", default=500)
-# The endpoint label of the dispatch metrics: these endpoint ids always, plus up to K of
-# the busiest endpoints a process sees; every other endpoint is "other".
-METRICS_ENDPOINTS = env.list("METRICS_ENDPOINTS", default=[])
-METRICS_ENDPOINT_TOP_K = env.int("METRICS_ENDPOINT_TOP_K", default=10)
-
-# --- Alerts (deliveries/alerts.py, docs/operations.md) ------------------------------
-# The tenant whose endpoints receive an "operations.alert" event per incident ("" : no
-# webhook), and the addresses that get an email per incident (empty: no email).
-ALERTS_TENANT = env.str("ALERTS_TENANT", default="")
-ALERTS_EMAIL_TO = env.list("ALERTS_EMAIL_TO", default=[])
-ALERTS_EMAIL_FROM = env.str("ALERTS_EMAIL_FROM", default="")
-# New dead letters between two checks that open an incident.
-ALERTS_DEAD_LETTER_THRESHOLD = env.int("ALERTS_DEAD_LETTER_THRESHOLD", default=1)
-# Signature verification failures of one source between two checks that open one.
-ALERTS_VERIFICATION_FAILURE_THRESHOLD = env.int("ALERTS_VERIFICATION_FAILURE_THRESHOLD", default=20)
-# An incident not seen again for this many seconds is resolved; seen after that, it is a
-# new incident with a new message.
-ALERTS_RESOLVE_AFTER = env.float("ALERTS_RESOLVE_AFTER", default=3600.0)
+_app_defaults = {**deliveries_conf.DEFAULTS, **ingest_conf.DEFAULTS}
+# /metrics answers loopback too under DEBUG (make run); in production a proxy on the same
+# host relays the internet from loopback, so no address by default.
+_app_defaults["METRICS_ALLOW_IPS"] = ("127.0.0.1", "::1") if DEBUG else ()
+_app_settings = {name: _from_env(name, default) for name, default in _app_defaults.items()}
+globals().update(_app_settings)
 
 # --- Mail (Django's; used by the alert emails) ------------------------------------
 # EMAIL_URL: smtp://user:password@host:587 (+tls: submission), consolemail://, …
@@ -265,59 +206,19 @@ if env.str("EMAIL_URL", default=""):
 DEFAULT_FROM_EMAIL = env.str("DEFAULT_FROM_EMAIL", default="webhooks@localhost")
 SERVER_EMAIL = env.str("SERVER_EMAIL", default=DEFAULT_FROM_EMAIL)
 
-# --- Retention (deliveries/retention.py, docs/operations.md) --------------------------
-# Terminal deliveries (with their attempts), published outbox rows and events older than
-# this are pruned; events that carry an Idempotency-Key are kept for at least
-# IDEMPOTENCY_KEY_RETENTION so that a retried request is still recognised.
-RETENTION_DELIVERIES_DAYS = env.float("RETENTION_DELIVERIES_DAYS", default=30.0)
-IDEMPOTENCY_KEY_RETENTION = env.float("IDEMPOTENCY_KEY_RETENTION", default=86400.0)
-# Finished inbound events (with their handler runs) are pruned after this, but never
-# before INBOUND_DEDUPE_WINDOW: the row is the (source, event_id) identity that turns a
-# provider's late retry into a counted duplicate instead of a second processing.
-RETENTION_INBOUND_DAYS = env.float("RETENTION_INBOUND_DAYS", default=30.0)
-INBOUND_DEDUPE_WINDOW = env.float("INBOUND_DEDUPE_WINDOW", default=7 * 86400.0)
-# Finished loop runs and resolved operational events.
-RETENTION_OPERATIONS_DAYS = env.float("RETENTION_OPERATIONS_DAYS", default=30.0)
-PRUNE_BATCH_SIZE = env.int("PRUNE_BATCH_SIZE", default=1000)
-
-# --- Tracing (optional: requirements/otel.txt) ----------------------------------------
-# Off by default; deliveries/tracing.py. A tracer provider the host set up already
-# (opentelemetry-instrument) is used as it is; else one with OTEL_TRACES_EXPORTER
-# ("otlp", which needs opentelemetry-exporter-otlp-proto-http, or "console").
-OTEL_TRACING = env.bool("OTEL_TRACING", default=False)
-OTEL_SERVICE_NAME = env.str("OTEL_SERVICE_NAME", default="trusty-webhooks")
-OTEL_TRACES_EXPORTER = env.str("OTEL_TRACES_EXPORTER", default="otlp")
-
-# --- Inbound ------------------------------------------------------------------------
-# Modules that register inbound handlers with @ingest.handlers.handler (imported at start).
-INGEST_HANDLER_MODULES = env.list("INGEST_HANDLER_MODULES", default=[])
-# How long a web process trusts its cached copy of a source and its secrets (0: no cache).
-INGEST_SOURCE_CACHE_SECONDS = env.float("INGEST_SOURCE_CACHE_SECONDS", default=5.0)
-
-# --- Queue transport (django-q2's broker interface) -----------------------------------
-QUEUE_VISIBILITY_TIMEOUT = env.int("QUEUE_VISIBILITY_TIMEOUT", default=90)
-REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
-QUEUE_BROKER_CLASS = env.str("QUEUE_BROKER_CLASS", default="deliveries.broker.DatabaseBroker")
-# Two queues on the one broker, never shared: QUEUE_NAME carries the pipeline's messages
-# (relay to workers), TASKS_QUEUE_NAME is django-q2's cluster (a `qcluster` running the
-# maintenance schedules). A qcluster on the pipeline's queue would take delivery messages
-# it cannot unpickle and delete them; the workers would hide its tasks. deliveries.E007
-# refuses one name for both.
-QUEUE_NAME = env.str("QUEUE_NAME", default="webhooks")
-TASKS_QUEUE_NAME = env.str("TASKS_QUEUE_NAME", default=f"{QUEUE_NAME}-tasks")
-Q_CLUSTER = {
-    "name": TASKS_QUEUE_NAME,
-    "broker_class": QUEUE_BROKER_CLASS,
-    "redis": REDIS_URL,
-    # The broker's visibility timeout: a message not acknowledged within it is handed out
-    # again. It must exceed the longest request plus recording time.
-    "retry": QUEUE_VISIBILITY_TIMEOUT,
-    "timeout": int(QUEUE_VISIBILITY_TIMEOUT * 0.8),
-    "bulk": WORKER_BATCH_SIZE,
-    "workers": 2,
-    "save_limit": 250,
-    "catch_up": False,
-}
+# --- django-q2's cluster (a qcluster running the maintenance schedules) ---------------
+# On the pipeline's broker class under a queue of its own, never QUEUE_NAME: a qcluster
+# on the pipeline's queue would take delivery messages it cannot unpickle and delete
+# them; the workers would hide its tasks (deliveries.E007 refuses one name for both).
+TASKS_QUEUE_NAME = env.str("TASKS_QUEUE_NAME", default=f"{_app_settings['QUEUE_NAME']}-tasks")
+REDIS_URL = env.str("REDIS_URL", default=deliveries_conf.REDIS_URL)
+Q_CLUSTER = deliveries_conf.q_cluster(
+    name=TASKS_QUEUE_NAME,
+    broker_class=_app_settings["QUEUE_BROKER_CLASS"],
+    redis=REDIS_URL,
+    visibility_timeout=_app_settings["QUEUE_VISIBILITY_TIMEOUT"],
+    bulk=_app_settings["WORKER_BATCH_SIZE"],
+)
 
 # --- Logging --------------------------------------------------------------------------
 LOG_LEVEL = env.str("LOG_LEVEL", default="INFO")
@@ -332,15 +233,3 @@ LOGGING = {
         "aiohttp.access": {"level": "WARNING"},
     },
 }
-
-# --- Polling and backfill (docs/polling.md) ---------------------------------------------
-# Seconds a poll run or a backfill holds its source's (run's) lease without renewing it;
-# renewed with every page, so it must exceed the slowest page (request plus storing).
-POLL_LEASE_SECONDS = env.float("POLL_LEASE_SECONDS", default=300.0)
-BACKFILL_LEASE_SECONDS = env.float("BACKFILL_LEASE_SECONDS", default=300.0)
-# Pages one poll run reads at most; the next run goes on from the cursor.
-POLL_MAX_PAGES = env.int("POLL_MAX_PAGES", default=1000)
-# Bytes of one page read at most; a longer page is an error (ask for smaller pages).
-POLL_MAX_RESPONSE_BYTES = env.int("POLL_MAX_RESPONSE_BYTES", default=16 * 1024 * 1024)
-# Times a backfill retries a request that got no answer, a 429 or a 5xx.
-BACKFILL_RETRIES = env.int("BACKFILL_RETRIES", default=5)

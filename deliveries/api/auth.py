@@ -2,7 +2,6 @@
 
 from dataclasses import dataclass
 
-from django.conf import settings
 from django.db.models import Q
 from django.utils import timezone
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
@@ -10,6 +9,7 @@ from rest_framework import authentication, exceptions, permissions, throttling
 
 from deliveries import ratelimit
 
+from ..conf import settings
 from ..models import ApiKey, Tenant
 from ..services import hash_api_key
 

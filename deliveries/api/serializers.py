@@ -1,8 +1,9 @@
 """Input and output shapes of the customer API. No secret appears in any output except
 the endpoint secret in the answers to create and rotate-secret, once."""
 
-from django.conf import settings
 from rest_framework import serializers
+
+from deliveries.conf import settings
 
 from ..egress import validate_endpoint_url
 from ..headers import MAX_VALUE_LENGTH, validate_endpoint_headers

@@ -9,13 +9,15 @@ predates this one reads only the pipeline's queue, as before.
 
 LoopRun's kind gains "poll" (choices only: no SQL)."""
 
-from django.conf import settings
 from django.db import migrations, models
+from django_q.conf import Conf
+
+from deliveries.conf import settings
 
 
 def move_tasks(apps, schema_editor):
     QueueMessage = apps.get_model("deliveries", "QueueMessage")
-    tasks_queue = settings.Q_CLUSTER["name"]
+    tasks_queue = Conf.CLUSTER_NAME  # Q_CLUSTER["name"]; django-q2's "default" without one
     if tasks_queue == settings.QUEUE_NAME:
         return  # misconfigured (deliveries.E007): nothing can be told apart
     QueueMessage.objects.filter(queue=settings.QUEUE_NAME).exclude(payload__startswith="{").update(

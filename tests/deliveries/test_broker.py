@@ -292,12 +292,13 @@ REDIS_TESTS_URL = "redis://127.0.0.1:6379/12"
 
 
 @pytest.fixture(params=["database", pytest.param("redis", marks=pytest.mark.redis)])
-def both_brokers(request, monkeypatch):
+def both_brokers(request, monkeypatch, settings):
     """The pipeline's broker and django-q2's (what a qcluster reads), on the database
     broker and on django-q2's Redis broker: the configured class, as both sides get it."""
     if request.param == "redis":
         monkeypatch.setattr(Conf, "BROKER_CLASS", f"{Redis.__module__}.Redis")
         monkeypatch.setattr(Conf, "REDIS", REDIS_TESTS_URL)
+        settings.QUEUE_BROKER_CLASS = f"{Redis.__module__}.Redis"
     pipeline, tasks = transport.broker(), get_broker()
     yield pipeline, tasks
     pipeline.purge_queue()

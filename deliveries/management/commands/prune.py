@@ -1,6 +1,6 @@
-from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from deliveries.conf import settings
 from deliveries.retention import PRUNERS, prune
 
 

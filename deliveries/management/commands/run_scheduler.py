@@ -1,7 +1,7 @@
-from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from deliveries import wakeup
+from deliveries.conf import settings
 from deliveries.loops import SchedulerPasses, StopFlag, run_loop
 
 from ._loop import add_loop_arguments, settle_if_long_running

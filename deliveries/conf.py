@@ -1,0 +1,162 @@
+"""The outbound app's settings, each with its default here: a host sets only what it changes.
+
+Every name is a Django setting of the same name (docs/settings.md). A host whose own
+settings already use one of the names for something else (``METRICS_TOKEN``,
+``API_THROTTLE_RATE``) gives the apps' value in the ``TRUSTY_WEBHOOKS`` dict instead: a
+key there wins over the flat setting, which the host's own code keeps for itself.
+
+The apps read these through ``settings`` below (a drop-in for ``django.conf.settings``),
+so the defaults need no installing and no import order, and ``override_settings`` works
+as usual. The standalone service's ``project/settings.py`` reads each name from the
+environment with the default written here.
+"""
+
+from collections.abc import Mapping
+
+from django.conf import settings as django_settings
+
+NAMESPACE = "TRUSTY_WEBHOOKS"
+# django-q2's Redis connection in ``q_cluster`` (the pipeline's, with the Redis broker).
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+# Sequences are tuples so that no caller can change a default in place.
+DEFAULTS: dict[str, object] = {
+    # Egress guard: CIDRs admitted although private or loopback (cloud metadata stays
+    # refused); bytes of a response read at most; seconds to connect.
+    "EGRESS_ALLOW_NETWORKS": (),
+    "EGRESS_MAX_RESPONSE_BYTES": 64 * 1024,
+    "EGRESS_CONNECT_TIMEOUT": 5.0,
+    # Seconds between attempts (its length is the number of retries): Standard Webhooks'
+    # example schedule, about three days in all; the spread of each wait; the longest
+    # Retry-After honoured.
+    "DELIVERY_RETRY_SCHEDULE": (
+        5.0,
+        300.0,
+        1800.0,
+        7200.0,
+        18000.0,
+        36000.0,
+        50400.0,
+        72000.0,
+        86400.0,
+    ),
+    "DELIVERY_RETRY_JITTER": 0.2,
+    "DELIVERY_RETRY_AFTER_MAX": 6 * 3600.0,
+    # Request timeout and the most an endpoint may ask for; a worker's lease; how long an
+    # endpoint may fail before it is disabled.
+    "DELIVERY_TIMEOUT": 15.0,
+    "DELIVERY_MAX_TIMEOUT": 30.0,
+    "DELIVERY_LEASE_SECONDS": 60.0,
+    "DELIVERY_DISABLE_AFTER": 5 * 86400.0,
+    # Characters of a response kept; the largest payload; ceilings on deliveries in flight.
+    "DELIVERY_RESPONSE_BODY_LIMIT": 20_000,
+    "DELIVERY_MAX_PAYLOAD_BYTES": 256 * 1024,
+    "DELIVERY_MAX_IN_FLIGHT": 5000,
+    "DELIVERY_TENANT_MAX_IN_FLIGHT": 2000,
+    "DELIVERY_ENDPOINT_MAX_CONCURRENCY": 500,
+    # The loops: rows per transaction, the longest idle wait, the lost-dispatch sweep, the
+    # relay's claim on the rows it publishes to a broker outside the database.
+    "SCHEDULER_PAGE_SIZE": 1000,
+    "SCHEDULER_STALE_ENQUEUED_SECONDS": 600.0,
+    "SCHEDULER_INTERVAL": 0.5,
+    "RELAY_PAGE_SIZE": 1000,
+    "RELAY_INTERVAL": 0.5,
+    "RELAY_CLAIM_SECONDS": 30.0,
+    # Workers: messages per dequeue, requests in flight, the idle wait, the stop grace
+    # (keep it under the process manager's stop timeout).
+    "WORKER_BATCH_SIZE": 200,
+    "WORKER_CONCURRENCY": 512,
+    "WORKER_IDLE_SLEEP": 0.05,
+    "WORKER_SHUTDOWN_GRACE": 25.0,
+    # Seconds between heartbeats of every long-running command; six missed: not running.
+    "LOOP_HEARTBEAT_SECONDS": 10.0,
+    # The pipeline's transport (relay to workers): a django-q2 broker class, its queue,
+    # and the seconds before an unacknowledged message is handed out again.
+    "QUEUE_BROKER_CLASS": "deliveries.broker.DatabaseBroker",
+    "QUEUE_NAME": "webhooks",
+    "QUEUE_VISIBILITY_TIMEOUT": 90,
+    # Tests and the soak only: the crash point (deliveries/faults.py) and its count.
+    "FAULT_INJECT_AT": "",
+    "FAULT_INJECT_AFTER": 1,
+    # Requests per API key (DRF rate syntax), counted in the shared cache.
+    "API_THROTTLE_RATE": "50/s",
+    # Fernet keys, newest first; empty: one derived from SECRET_KEY (development only).
+    "SECRETS_ENCRYPTION_KEYS": (),
+    # /metrics: a Bearer token, unproxied addresses admitted, the gauges' cache and
+    # statement budget, the endpoint label's fixed ids and top-K.
+    "METRICS_TOKEN": "",
+    "METRICS_ALLOW_IPS": (),
+    "METRICS_CACHE_SECONDS": 10.0,
+    "METRICS_DB_BUDGET_MS": 500,
+    "METRICS_ENDPOINTS": (),
+    "METRICS_ENDPOINT_TOP_K": 10,
+    # Alerts: the tenant that gets an operations.alert event, the mail's recipients and
+    # sender ("": DEFAULT_FROM_EMAIL), the thresholds, the quiet time that resolves one.
+    "ALERTS_TENANT": "",
+    "ALERTS_EMAIL_TO": (),
+    "ALERTS_EMAIL_FROM": "",
+    "ALERTS_DEAD_LETTER_THRESHOLD": 1,
+    "ALERTS_RESOLVE_AFTER": 3600.0,
+    # Retention: days of terminal deliveries, outbox rows and events; seconds an event with
+    # an Idempotency-Key is kept at least; days of loop runs and operational events.
+    "RETENTION_DELIVERIES_DAYS": 30.0,
+    "IDEMPOTENCY_KEY_RETENTION": 86400.0,
+    "RETENTION_OPERATIONS_DAYS": 30.0,
+    "PRUNE_BATCH_SIZE": 1000,
+    # OpenTelemetry tracing (requirements/otel.txt): off by default.
+    "OTEL_TRACING": False,
+    "OTEL_SERVICE_NAME": "trusty-webhooks",
+    "OTEL_TRACES_EXPORTER": "otlp",
+}
+
+
+class AppSettings:
+    """``django.conf.settings`` with the apps' defaults: for a name in ``defaults``, the
+    ``TRUSTY_WEBHOOKS`` entry, else the host's flat setting, else the default; any other
+    name is Django's setting as it is. Read at every access, so a changed setting (a
+    test's ``settings`` fixture, ``override_settings``) applies at once."""
+
+    def __init__(self, *defaults: Mapping[str, object]):
+        self._defaults: dict[str, object] = {}
+        for more in defaults:
+            self._defaults.update(more)
+
+    def __getattr__(self, name: str):
+        if name not in self._defaults:
+            return getattr(django_settings, name)
+        namespace = getattr(django_settings, NAMESPACE, None) or {}
+        if name in namespace:
+            return namespace[name]
+        return getattr(django_settings, name, self._defaults[name])
+
+
+settings = AppSettings(DEFAULTS)
+
+
+def q_cluster(
+    *,
+    name: str = f"{DEFAULTS['QUEUE_NAME']}-tasks",
+    broker_class: str = DEFAULTS["QUEUE_BROKER_CLASS"],
+    redis: str = REDIS_URL,
+    visibility_timeout: int = DEFAULTS["QUEUE_VISIBILITY_TIMEOUT"],
+    bulk: int = DEFAULTS["WORKER_BATCH_SIZE"],
+) -> dict:
+    """A ``Q_CLUSTER`` for django-q2's own cluster (a ``qcluster`` running the maintenance
+    schedules) on the pipeline's broker class, under a queue name of its own: a
+    qcluster on the pipeline's queue would take delivery messages it cannot read
+    (deliveries.E007). For a host's settings module; a host
+    without ``Q_CLUSTER`` gets django-q2's defaults for its cluster, and the pipeline
+    uses ``QUEUE_BROKER_CLASS`` either way."""
+    return {
+        "name": name,
+        "broker_class": broker_class,
+        "redis": redis,
+        # The broker's visibility timeout: a message not acknowledged within it is handed
+        # out again. It must exceed the longest request plus recording time.
+        "retry": visibility_timeout,
+        "timeout": int(visibility_timeout * 0.8),
+        "bulk": bulk,
+        "workers": 2,
+        "save_limit": 250,
+        "catch_up": False,
+    }

@@ -1,0 +1,127 @@
+"""The apps installed into a host project that sets none of their settings."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from django.conf import global_settings
+
+from deliveries import conf as deliveries_conf
+from ingest import conf as ingest_conf
+
+ROOT = Path(__file__).resolve().parents[2]
+APP_DEFAULTS = {**deliveries_conf.DEFAULTS, **ingest_conf.DEFAULTS}
+# Settings the host owns, which the apps read but do not default: Django's own (in
+# global_settings) and django-q2's cluster, which has defaults of its own.
+HOST_SETTINGS = {"Q_CLUSTER"}
+APP_READ = re.compile(r"settings\.(?:{})\b".format("|".join(APP_DEFAULTS)))
+
+
+def host(*args: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k not in APP_DEFAULTS and k != "DATABASE_URL"}
+    return subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env={
+            **environ,
+            "DJANGO_SETTINGS_MODULE": "tests.host_settings",
+            "HOST_SQLITE_PATH": str(tmp_path / "host.sqlite3"),
+            **env,
+        },
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def test_a_host_with_none_of_the_apps_settings_passes_check_and_migrates(tmp_path):
+    checked = host("check", "--fail-level", "ERROR", tmp_path=tmp_path)
+    assert checked.returncode == 0, checked.stderr
+    assert "ERRORS" not in checked.stderr
+    migrated = host("migrate", "--no-input", tmp_path=tmp_path)
+    assert migrated.returncode == 0, migrated.stderr
+    show = (
+        "import json; from deliveries.conf import settings as d; "
+        "from ingest.conf import settings as i; "
+        "print(json.dumps([d.DELIVERY_RETRY_SCHEDULE, d.QUEUE_NAME, i.POLL_MAX_PAGES, "
+        "d.API_THROTTLE_RATE]))"
+    )
+    shown = host("shell", "-c", show, tmp_path=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout.strip().splitlines()[-1]) == [
+        list(deliveries_conf.DEFAULTS["DELIVERY_RETRY_SCHEDULE"]),
+        "webhooks",
+        1000,
+        "50/s",
+    ]
+
+
+# A tenant's API call through the host's URLconf, with DRF's settings left at DRF's
+# defaults: the API still pages, answers errors in its one shape and throttles.
+CALL_THE_API = """
+import json
+from django.test import Client
+from deliveries import services
+_, key = services.tenant_create(name="host")
+client = Client(HTTP_AUTHORIZATION=f"Bearer {key}")
+listed = client.get("/api/v1/events/")
+missing = client.get("/api/v1/events/no-such-event/")
+print(json.dumps([listed.status_code, sorted(listed.json()), missing.json()]))
+"""
+
+
+def test_a_host_without_rest_framework_settings_serves_the_api_as_documented(tmp_path):
+    assert host("migrate", "--no-input", tmp_path=tmp_path).returncode == 0
+    called = host("shell", "-c", CALL_THE_API, tmp_path=tmp_path)
+    assert called.returncode == 0, called.stderr
+    status, keys, missing = json.loads(called.stdout.strip().splitlines()[-1])
+    assert status == 200
+    assert keys == ["next", "previous", "results"]
+    assert missing["error"]["code"] == "not_found"
+
+
+def test_a_host_misconfiguration_is_reported_with_its_stable_id(tmp_path):
+    bad = host("check", tmp_path=tmp_path, DJANGO_SETTINGS_MODULE="tests.host_settings_bad")
+    assert bad.returncode != 0
+    assert "deliveries.E002" in bad.stderr
+    assert "deliveries.E004" in bad.stderr
+
+
+def test_the_namespace_wins_over_the_flat_setting_which_wins_over_the_default(settings):
+    from deliveries.conf import settings as app
+
+    settings.METRICS_TOKEN = "the-hosts-own"
+    settings.TRUSTY_WEBHOOKS = {}
+    assert app.METRICS_TOKEN == "the-hosts-own"
+    settings.TRUSTY_WEBHOOKS = {"METRICS_TOKEN": "the-apps"}
+    assert app.METRICS_TOKEN == "the-apps"
+    del settings.API_THROTTLE_RATE
+    assert app.API_THROTTLE_RATE == "50/s"
+    assert app.SECRET_KEY == settings.SECRET_KEY  # any other name is Django's
+
+
+def test_every_app_setting_has_a_default_and_every_default_is_documented():
+    read = set()
+    for path in [*ROOT.glob("deliveries/**/*.py"), *ROOT.glob("ingest/**/*.py")]:
+        read |= set(re.findall(r"settings\.([A-Z][A-Z0-9_]+)", path.read_text()))
+    django_owned = {name for name in dir(global_settings) if name.isupper()}
+    undefaulted = read - set(APP_DEFAULTS) - django_owned - HOST_SETTINGS
+    assert not undefaulted, f"read by the apps with no default in a conf.py: {undefaulted}"
+    documented = set(re.findall(r"`([A-Z][A-Z0-9_]+)`", (ROOT / "docs/settings.md").read_text()))
+    assert not set(APP_DEFAULTS) - documented, set(APP_DEFAULTS) - documented
+    assert not set(APP_DEFAULTS) & django_owned, "an app default would shadow Django's"
+
+
+def test_the_app_modules_read_their_settings_through_the_defaults():
+    # django.conf.settings would answer AttributeError in a host that did not copy a name.
+    direct = [
+        str(path.relative_to(ROOT))
+        for path in [*ROOT.glob("deliveries/**/*.py"), *ROOT.glob("ingest/**/*.py")]
+        if "from django.conf import settings" in path.read_text()
+        and path.name != "conf.py"
+        and APP_READ.search(path.read_text())
+    ]
+    assert direct == []
