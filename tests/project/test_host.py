@@ -83,6 +83,60 @@ def test_a_host_without_rest_framework_settings_serves_the_api_as_documented(tmp
     assert missing["error"]["code"] == "not_found"
 
 
+# The same calls under a host whose REST_FRAMEWORK disagrees on everything, and the
+# host's own view beside them.
+CALL_BOTH_APIS = """
+import base64, json
+from django.contrib.auth.models import User
+from django.test import Client
+from deliveries import services
+_, key = services.tenant_create(name="host")
+for name in ("ann", "bob"):
+    User.objects.create_user(name, password="pw")
+tenant = Client(HTTP_AUTHORIZATION=f"Bearer {key}")
+for n in range(3):
+    tenant.post("/api/v1/events/", {"event_type": "t", "payload": {"n": n}},
+                content_type="application/json")
+product = [tenant.get("/api/v1/events/?limit=2") for _ in range(3)]
+nul = tenant.post("/api/v1/events/", '{"event_type": "t", "payload": {"s": "\\u0000"}}',
+                  content_type="application/json")
+anonymous = Client().get("/api/v1/events/")
+schema = Client().get("/api/schema/?format=json")
+basic = "Basic " + base64.b64encode(b"ann:pw").decode()
+host = Client(HTTP_AUTHORIZATION=basic).get("/host/users/")
+host_anonymous = Client().get("/host/users/")
+print(json.dumps({
+    "product": [[r.status_code, sorted(r.json()), len(r.json()["results"])] for r in product],
+    "cursor": "cursor=" in product[0].json()["next"],
+    "nul": [nul.status_code, nul.json()["error"]["code"]],
+    "anonymous": [anonymous.status_code, sorted(anonymous.json())],
+    "schema": [schema.status_code, sorted(schema.json()["paths"])[:1],
+               any("/host/" in p for p in schema.json()["paths"])],
+    "host": [host.status_code, host.json()["count"], host.json()["next"]],
+    "host_anonymous": [host_anonymous.status_code, sorted(host_anonymous.json())],
+}))
+"""
+
+
+def test_a_hosts_rest_framework_neither_changes_the_api_nor_is_changed_by_it(tmp_path):
+    env = {"DJANGO_SETTINGS_MODULE": "tests.host_settings_rest"}
+    assert host("migrate", "--no-input", tmp_path=tmp_path, **env).returncode == 0
+    called = host("shell", "-c", CALL_BOTH_APIS, tmp_path=tmp_path, **env)
+    assert called.returncode == 0, called.stderr
+    seen = json.loads(called.stdout.strip().splitlines()[-1])
+
+    # The product: its key, its cursor pages of the size asked, no host throttle, its
+    # strict parser and its one error shape.
+    assert seen["product"] == [[200, ["next", "previous", "results"], 2]] * 3
+    assert seen["cursor"] is True
+    assert seen["nul"] == [400, "parse_error"]
+    assert seen["anonymous"] == [401, ["error"]]
+    assert seen["schema"] == [200, ["/api/v1/backfill-runs/"], False]
+    # The host: its basic auth, its page numbers of one, its error handler.
+    assert seen["host"] == [200, 2, "http://testserver/host/users/?page=2"]
+    assert seen["host_anonymous"] == [401, ["host_error"]]
+
+
 def test_a_host_misconfiguration_is_reported_with_its_stable_id(tmp_path):
     bad = host("check", tmp_path=tmp_path, DJANGO_SETTINGS_MODULE="tests.host_settings_bad")
     assert bad.returncode != 0
