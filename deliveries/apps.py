@@ -4,6 +4,8 @@ from django.apps import AppConfig
 class DeliveriesConfig(AppConfig):
     name = "deliveries"
     verbose_name = "Outbound webhooks"
+    # The key type its migrations were made with, whatever the host's DEFAULT_AUTO_FIELD.
+    default_auto_field = "django.db.models.BigAutoField"
     # Composed by deliveries.urls: the customer API's routes of this app.
     api_router = "deliveries.api.urls.router"
 

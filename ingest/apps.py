@@ -8,6 +8,8 @@ from ingest.conf import settings
 class IngestConfig(AppConfig):
     name = "ingest"
     verbose_name = "Inbound webhooks"
+    # The key type its migrations were made with, whatever the host's DEFAULT_AUTO_FIELD.
+    default_auto_field = "django.db.models.BigAutoField"
     # Composed by deliveries.urls: this app's API routes and the receiver.
     api_router = "ingest.api_urls.router"
     urls_module = "ingest.urls"

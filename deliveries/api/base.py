@@ -5,13 +5,23 @@ the project-wide settings at import, so each is named here."""
 
 from django_filters.rest_framework import DjangoFilterBackend
 from drf_spectacular.openapi import AutoSchema
-from drf_spectacular.settings import patched_settings
+from drf_spectacular.settings import patched_settings, spectacular_settings
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 from rest_framework import parsers, permissions, renderers, routers
 from rest_framework.negotiation import DefaultContentNegotiation
 
 from .errors import exception_handler
 from .parsers import StrictJSONParser
+
+
+class ProductSchema(AutoSchema):
+    """drf-spectacular's AutoSchema for this API's views, which appear in this API's schema
+    only: a schema generated under the host's settings (the host's own, drf-spectacular's
+    deploy check) leaves them out, as this API's leaves out the host's views."""
+
+    def is_excluded(self):
+        ours = product_endpoints_only in spectacular_settings.PREPROCESSING_HOOKS
+        return not ours or super().is_excluded()
 
 
 class ProductAPIView:
@@ -26,7 +36,7 @@ class ProductAPIView:
     filter_backends = [DjangoFilterBackend]
     content_negotiation_class = DefaultContentNegotiation
     versioning_class = None
-    schema = AutoSchema()
+    schema = ProductSchema()
 
     def get_exception_handler(self):
         return exception_handler
@@ -52,8 +62,22 @@ class ApiRouter(routers.DefaultRouter):
 def product_endpoints_only(endpoints):
     """drf-spectacular preprocessing hook: the schema shows this API's routes, not the
     host's own DRF views, wherever the host mounted them."""
-    own = [e for e in endpoints if issubclass(getattr(e[3], "cls", object), ProductAPIView)]
-    return [e for e in own if not issubclass(e[3].cls, (SchemaView, SchemaDocsView))]
+    return [e for e in endpoints if issubclass(getattr(e[3], "cls", object), ProductAPIView)]
+
+
+def extend_schema(**kwargs):
+    """drf-spectacular's ``extend_schema`` on a view method, built on ProductSchema
+    whatever the host's ``DEFAULT_SCHEMA_CLASS`` (the decorator's default base)."""
+    from drf_spectacular.utils import extend_schema as spectacular_extend_schema
+
+    def decorator(f):
+        if not hasattr(f, "kwargs") and not hasattr(f, "schema"):
+            f.schema = ProductSchema
+        elif hasattr(f, "kwargs"):
+            f.kwargs.setdefault("schema", ProductSchema)
+        return spectacular_extend_schema(**kwargs)(f)
+
+    return decorator
 
 
 # The schema of this API alone, under this API's own title.
@@ -76,28 +100,21 @@ class SchemaView(Public, SpectacularAPIView):
     custom_settings = SCHEMA_SETTINGS
     renderer_classes = SpectacularAPIView.renderer_classes
 
+    # Not an operation of the API. drf-spectacular decorates its own view's get() on the
+    # host's DEFAULT_SCHEMA_CLASS, which breaks a schema generated under the host's
+    # settings (its deploy check among them) when that is DRF's own AutoSchema.
+    @extend_schema(exclude=True)
+    def get(self, request, *args, **kwargs):
+        return super().get(request, *args, **kwargs)
+
 
 class SchemaDocsView(Public, SpectacularSwaggerView):
     renderer_classes = SpectacularSwaggerView.renderer_classes
     title = SCHEMA_SETTINGS["TITLE"]
 
+    @extend_schema(exclude=True)
     def get(self, request, *args, **kwargs):
         # The page reads drf-spectacular's settings as it answers: this API's, not the
         # host's (Swagger UI from the sidecar, not a CDN).
         with patched_settings(SCHEMA_SETTINGS):
             return super().get(request, *args, **kwargs)
-
-
-def extend_schema(**kwargs):
-    """drf-spectacular's ``extend_schema`` on a view method, built on its AutoSchema
-    whatever the host's ``DEFAULT_SCHEMA_CLASS`` (the decorator's default base)."""
-    from drf_spectacular.utils import extend_schema as spectacular_extend_schema
-
-    def decorator(f):
-        if not hasattr(f, "kwargs") and not hasattr(f, "schema"):
-            f.schema = AutoSchema
-        elif hasattr(f, "kwargs"):
-            f.kwargs.setdefault("schema", AutoSchema)
-        return spectacular_extend_schema(**kwargs)(f)
-
-    return decorator

@@ -59,6 +59,21 @@ def test_a_host_with_none_of_the_apps_settings_passes_check_and_migrates(tmp_pat
     ]
 
 
+# What a host's deploy check may report of the apps: the settings it has not made for a
+# production deployment (docs/settings.md), and nothing else: no error, no model warning,
+# no third-party check broken by the apps' views.
+DEPLOY_ISSUES_OF_A_BARE_HOST = {"deliveries.W002", "deliveries.W003", "deliveries.W030"}
+
+
+def test_a_bare_hosts_deploy_check_reports_only_its_unmade_settings(tmp_path):
+    checked = host("check", "--deploy", tmp_path=tmp_path)
+    issues = set(re.findall(r"\(([a-z_]+\.[EWCI]\d+)\)", checked.stderr + checked.stdout))
+    ours = {i for i in issues if not i.startswith("security.")}
+    assert ours == DEPLOY_ISSUES_OF_A_BARE_HOST, checked.stderr
+    # The host's own models keep the host's DEFAULT_AUTO_FIELD; the apps' migrations hold.
+    assert host("makemigrations", "--check", "--dry-run", tmp_path=tmp_path).returncode == 0
+
+
 # A tenant's API call through the host's URLconf, with DRF's settings left at DRF's
 # defaults: the API still pages, answers errors in its one shape and throttles.
 CALL_THE_API = """
@@ -160,7 +175,7 @@ def test_the_namespace_wins_over_the_flat_setting_which_wins_over_the_default(se
 def test_every_app_setting_has_a_default_and_every_default_is_documented():
     read = set()
     for path in [*ROOT.glob("deliveries/**/*.py"), *ROOT.glob("ingest/**/*.py")]:
-        read |= set(re.findall(r"settings\.([A-Z][A-Z0-9_]+)", path.read_text()))
+        read |= set(re.findall(r"\bsettings\.([A-Z][A-Z0-9_]+)", path.read_text()))
     django_owned = {name for name in dir(global_settings) if name.isupper()}
     undefaulted = read - set(APP_DEFAULTS) - django_owned - HOST_SETTINGS
     assert not undefaulted, f"read by the apps with no default in a conf.py: {undefaulted}"
