@@ -592,8 +592,8 @@ class EndpointAdmin(admin.ModelAdmin):
 
 @admin.register(Tenant)
 class TenantAdmin(admin.ModelAdmin):
-    list_display = ["name", "id", "time_zone", "created_at"]
-    search_fields = ["name"]
+    list_display = ["name", "id", "external_id", "time_zone", "created_at"]
+    search_fields = ["name", "=external_id"]
     actions = ["create_api_key"]
 
     def has_create_api_key_permission(self, request):

@@ -31,6 +31,16 @@ class Tenant(models.Model):
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     name = models.CharField(max_length=200, unique=True)
+    # The host project's own key for the account this tenant is (its customer's id, say):
+    # services.tenant_get_or_create finds or makes the tenant by it, so a host links its
+    # account model without a join table. Unique where set; NULL for tenants made here.
+    external_id = models.CharField(
+        max_length=200,
+        unique=True,
+        null=True,
+        blank=True,
+        help_text="The host application's own id for this tenant's account.",
+    )
     # Where the tenant's "every day at 09:00" is read (deliveries.timezones); everything
     # the service stores and schedules is UTC. db_default: rows inserted by code that
     # predates the column still get a value (expand-contract, docs/compatibility.md).

@@ -309,11 +309,15 @@ def api_key_set_expiry(*, key_id: int, expires_at: datetime | None, actor=None) 
     return n
 
 
-def tenant_create(*, name: str, time_zone: str = "UTC") -> tuple[Tenant, str]:
+def _check_time_zone(time_zone: str) -> None:
     try:
         validate_time_zone(time_zone)
     except ValidationError as exc:
         raise DomainError(exc.messages[0], code="invalid_time_zone") from exc
+
+
+def tenant_create(*, name: str, time_zone: str = "UTC") -> tuple[Tenant, str]:
+    _check_time_zone(time_zone)
     with transaction.atomic():
         try:
             with transaction.atomic():
@@ -322,6 +326,32 @@ def tenant_create(*, name: str, time_zone: str = "UTC") -> tuple[Tenant, str]:
             raise DomainError(f"a tenant named {name!r} exists already", code="exists") from exc
         _, key = api_key_create(tenant=tenant, name="default")
     return tenant, key
+
+
+def tenant_get_or_create(
+    *, external_id: str, name: str = "", time_zone: str = "UTC"
+) -> tuple[Tenant, bool]:
+    """The tenant for the host's account ``external_id``, made on first use (named
+    ``name``, or the id itself) without an API key: a host that publishes in process
+    needs none, and ``api_key_create`` makes one for its customer's REST calls. Returns
+    (tenant, created); safe under concurrency: two first calls make one tenant."""
+    external_id = external_id.strip()
+    if not external_id:
+        raise DomainError("external_id must not be blank", code="invalid_external_id")
+    if found := Tenant.objects.filter(external_id=external_id).first():
+        return found, False
+    _check_time_zone(time_zone)
+    try:
+        with transaction.atomic():
+            return Tenant.objects.create(
+                external_id=external_id, name=name or external_id, time_zone=time_zone
+            ), True
+    except IntegrityError as exc:
+        if found := Tenant.objects.filter(external_id=external_id).first():
+            return found, False  # a concurrent first call made it
+        raise DomainError(
+            f"a tenant named {name or external_id!r} exists already", code="exists"
+        ) from exc
 
 
 # --- Endpoints -----------------------------------------------------------------------

@@ -26,7 +26,7 @@ from django.db.models import Count, F, Q
 
 from deliveries.conf import settings
 
-from . import wakeup
+from . import signals, wakeup
 from .models import (
     Attempt,
     Delivery,
@@ -534,6 +534,7 @@ def expire_leases(*, now: datetime, limit: int, policy: RetryPolicy) -> int:
             Delivery.objects.filter(id__in=dead, state=LEASED).update(
                 state=DEAD, finished_at=now, last_error="lease expired, retries spent", **common
             )
+            signals.send_after_commit(signals.delivery_dead, Delivery, dead)
     return len(rows)
 
 
@@ -604,6 +605,7 @@ def lease(
         rows = _lease_postgres(messages, now=now, until=until, token=token)
     else:
         rows = _lease_portable(messages, now=now, until=until, token=token)
+    signals.send_after_commit(signals.delivery_dead, Delivery, [r[0] for r in rows if not r[8]])
     leased = [
         Leased(
             id=r[0],
@@ -801,6 +803,7 @@ def record(
     with transaction.atomic():
         held = _finish_successes(successes, now) if successes else set()
         summary.succeeded = len(held)
+        signals.send_after_commit(signals.delivery_succeeded, Delivery, held)
         failure_held, failing, gone = _finish_failures(failures, now, policy, summary)
         held |= failure_held
         summary.stale = len(results) - len(held)
@@ -959,6 +962,9 @@ def _finish_failures(failures, now, policy, summary) -> tuple[set, set, set]:
                 r.error[:500],
             )
         )
+    signals.send_after_commit(
+        signals.delivery_dead, Delivery, [f.id for f in rows if f.state == DEAD]
+    )
     if rows and connection.vendor == "postgresql":
         with bound_cursor() as cursor:
             cursor.execute(
@@ -1077,11 +1083,12 @@ def endpoint_set_disabled(*, endpoint_id: uuid.UUID, reason: str, now: datetime)
     """Disable an endpoint (guarded: only an enabled one). Its queued deliveries go
     ``dead`` as ``endpoint_disabled`` when a worker reaches them; bulk recovery brings
     them back after it is enabled again."""
-    return bool(
-        Endpoint.objects.filter(id=endpoint_id, enabled=True).update(
-            enabled=False, disabled_reason=reason[:200], disabled_at=now
-        )
+    disabled = Endpoint.objects.filter(id=endpoint_id, enabled=True).update(
+        enabled=False, disabled_reason=reason[:200], disabled_at=now
     )
+    if disabled:
+        signals.send_after_commit(signals.endpoint_disabled, Endpoint, [endpoint_id])
+    return bool(disabled)
 
 
 # --- Operators: replay and cancel ------------------------------------------------------
@@ -1108,10 +1115,14 @@ def replay(*, delivery_ids: Iterable[uuid.UUID], now: datetime) -> int:
 def cancel(*, delivery_ids: Iterable[uuid.UUID], now: datetime) -> int:
     """Stop deliveries that have not been sent yet (pending or enqueued): ``dead`` with
     outcome ``cancelled``. A leased delivery is mid-request and cannot be recalled."""
-    return Delivery.objects.filter(id__in=list(delivery_ids), state__in=(PENDING, ENQUEUED)).update(
-        state=DEAD,
-        finished_at=now,
-        last_outcome=Outcome.CANCELLED,
-        last_error="cancelled by an operator",
-        updated_at=now,
-    )
+    waiting = Delivery.objects.filter(id__in=list(delivery_ids), state__in=(PENDING, ENQUEUED))
+    with transaction.atomic():
+        ids = list(waiting.select_for_update().values_list("id", flat=True))
+        signals.send_after_commit(signals.delivery_dead, Delivery, ids)
+        return waiting.filter(id__in=ids).update(
+            state=DEAD,
+            finished_at=now,
+            last_outcome=Outcome.CANCELLED,
+            last_error="cancelled by an operator",
+            updated_at=now,
+        )

@@ -45,6 +45,7 @@ from deliveries.prometheus import (
     INBOUND_REFUSED,
     INBOUND_SIGNATURE_FAILURES,
 )
+from deliveries.signals import send_after_commit
 from deliveries.sql import bound_cursor
 from deliveries.state import message_key
 from ingest.conf import settings
@@ -60,6 +61,7 @@ from .models import (
     VerificationFailure,
 )
 from .schemes import Request, UnparseableBody, VerificationFailed, get_scheme
+from .signals import inbound_event_stored
 
 logger = logging.getLogger("ingest")
 
@@ -323,6 +325,8 @@ def _insert(
     else:
         inserted = _insert_portable(fields, now, with_job=state == InboundState.ENQUEUED)
     if inserted:
+        if state == InboundState.ENQUEUED:
+            send_after_commit(inbound_event_stored, InboundEvent, [fields["id"]])
         return fields["id"], False
     stored = InboundEvent.objects.filter(source=source)
     found = stored.filter(event_id=event_id).values_list("id", flat=True).first()
@@ -436,7 +440,9 @@ def inbound_store_many(*, source: Source, events: Sequence[NewEvent]) -> tuple[i
                 "now": now,
             },
         )
-        stored, duplicates = cursor.fetchone()
+        new, duplicates = cursor.fetchone()
+    send_after_commit(inbound_event_stored, InboundEvent, new)
+    stored = len(new)
     INBOUND_RECEIVED.labels(source.slug, "false").inc(stored)
     INBOUND_RECEIVED.labels(source.slug, "true").inc(duplicates)
     return stored, duplicates
@@ -469,7 +475,7 @@ WITH rows AS (
     FROM rows WHERE e.source_id = %(source_id)s AND e.event_id = rows.event_id
     RETURNING 1
 )
-SELECT (SELECT count(*) FROM new), (SELECT count(*) FROM dup)
+SELECT (SELECT coalesce(array_agg(id), '{}') FROM new), (SELECT count(*) FROM dup)
 """.replace("{uuid7}", UUID7_SQL)
 
 
