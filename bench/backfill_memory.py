@@ -48,7 +48,7 @@ def main() -> None:
     import django
 
     django.setup()
-    from deliveries.models import Outbox
+    from deliveries.jobs.models import Outbox
     from ingest.models import Source
     from ingest.poller import poll_source_create
     from tests.ingest.fake_provider import FakeProvider, StaticRecords

@@ -11,7 +11,7 @@ service's tables and indexes, and nothing else:
 * ``scheduler``: one scan of due rows (``state._SCAN_DUE_SQL``, nothing left out) and
   one ``state._ENQUEUE_SQL`` (pending → enqueued and an outbox row each) per page;
   no ceilings, no fairness, no in-flight count, no sweeps;
-* ``relay``: in one transaction, ``loops._OUTBOX_PAGE_SQL`` marking the page published
+* ``relay``: in one transaction, ``relay._OUTBOX_PAGE_SQL`` marking the page published
   and the broker's ``_ENQUEUE_SQL`` (the database broker's publication and its record
   commit together, as the service's relay does);
 * ``worker`` (one process per core, lanes of one asyncio connection each): in one
@@ -49,15 +49,15 @@ IDLE_SLEEP = 0.005  # seconds between polls of an empty table
 
 def setup() -> None:
     """Django only to import the service's statements and settings; then the heap is
-    frozen as the service's loops freeze theirs (deliveries.loops.settle_heap)."""
+    frozen as the service's loops freeze theirs (deliveries.jobs.loop.settle_heap)."""
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
     import django
 
     django.setup()
-    from deliveries import loops
+    from deliveries.jobs import loop
 
-    loops.settle_heap()
+    loop.settle_heap()
 
 
 def connect_url() -> str:
@@ -111,12 +111,12 @@ def run_relay(page: int) -> None:
     import psycopg
     from django.conf import settings
 
-    from deliveries import broker, loops
+    from deliveries.jobs import broker, relay
 
     queue = settings.QUEUE_NAME
     with psycopg.connect(connect_url(), autocommit=True) as conn:
         register(conn, "floor-relay")
-        take = loops._OUTBOX_PAGE_SQL.format(column="published_at")
+        take = relay._OUTBOX_PAGE_SQL.format(column="published_at")
         while True:
             with conn.transaction():
                 t = now()
@@ -143,7 +143,8 @@ def take_steps(queue: str, batch: int):
     """Take a batch and lease it in one transaction, spending the messages, as the
     service's worker does with the database broker: (leased, token), or None when the
     queue is empty."""
-    from deliveries import broker, state
+    from deliveries import state
+    from deliveries.jobs import broker
 
     t = now()
     until = t + timedelta(seconds=60)

@@ -82,7 +82,8 @@ def main() -> int:
     os.environ["INGEST_HANDLER_MODULES"] = "bench.inbound_noop"
     ob.migrate({**os.environ, "DATABASE_URL": url})
     ob.setup_django(url)
-    from deliveries.loops import relay_tick, scheduler_tick
+    from deliveries.jobs.relay import relay_tick
+    from deliveries.scheduler import scheduler_tick
     from deliveries.worker import Worker
     from ingest.models import InboundEvent
     from ingest.services import LOCK_BUSY_RETRY

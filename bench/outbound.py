@@ -560,7 +560,7 @@ def release_published() -> None:
     every index, which no publish leaves.)"""
     from django.db import transaction
 
-    from deliveries import wakeup
+    from deliveries.jobs import wakeup
 
     with transaction.atomic():
         sql("INSERT INTO deliveries_delivery SELECT * FROM bench_snapshot_deliveries_delivery")

@@ -668,9 +668,10 @@ RESET_SQL = [
 
 
 def scenario_growth(ctx: dict) -> dict:
-    from deliveries import broker as transport
-    from deliveries.loops import relay_tick, scheduler_tick
+    from deliveries.jobs import broker
+    from deliveries.jobs.relay import relay_tick
     from deliveries.models import Tenant
+    from deliveries.scheduler import scheduler_tick
     from deliveries.services import endpoint_create
     from deliveries.worker import _take
 
@@ -692,7 +693,7 @@ def scenario_growth(ctx: dict) -> dict:
         ob.sql("ANALYZE deliveries_event")
         seeded = time.perf_counter() - t0
         passes, claims, rss, once_wall = [], [], [], []
-        b = transport.broker()
+        b = broker.get_broker()
         for _ in range(ctx["growth_passes"]):
             for q in RESET_SQL:
                 ob.sql(q)

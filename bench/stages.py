@@ -158,7 +158,7 @@ def stage(name: str, fn, n: int) -> dict:
 
 
 def run_scheduler(n: int) -> dict:
-    from deliveries.loops import scheduler_tick
+    from deliveries.scheduler import scheduler_tick
 
     admitted = ticks = 0
     while admitted < n:
@@ -168,10 +168,10 @@ def run_scheduler(n: int) -> dict:
 
 
 def run_relay(n: int) -> dict:
-    from deliveries import broker
-    from deliveries.loops import relay_tick
+    from deliveries.jobs import broker
+    from deliveries.jobs.relay import relay_tick
 
-    b = broker.broker()
+    b = broker.get_broker()
     published = ticks = 0
     while published < n:
         published += relay_tick(b=b).counts["published"]
@@ -186,8 +186,9 @@ def run_worker(
     concurrency: int | None,
     profile: Path | None = None,
 ) -> dict:
-    from deliveries import broker, state, worker
+    from deliveries import state, worker
     from deliveries.egress import EgressSession
+    from deliveries.jobs import broker
 
     meter = Meter()
     patches = [

@@ -23,6 +23,7 @@ from django_q import admin as q_admin  # registers django-q2's admins, replaced 
 from django_q.models import Failure, Success
 
 from . import services
+from .jobs.models import LoopRun
 from .models import (
     ApiKey,
     Attempt,
@@ -33,7 +34,6 @@ from .models import (
     Endpoint,
     Event,
     EventType,
-    LoopRun,
     OperationalEvent,
     Tenant,
 )

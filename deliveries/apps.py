@@ -16,7 +16,13 @@ class DeliveriesConfig(AppConfig):
             checks,  # noqa: F401  (registers the system checks)
             tracing,
         )
+        from .jobs import kinds
         from .metrics import delivery_gauges
+        from .selectors import delivery_trace_contexts
+        from .state import DELIVERY_KIND
 
         tracing.configure()
         register_provider("deliveries", delivery_gauges)
+        # Deliveries are a job kind whose admission and sending the scheduler and the
+        # workers' lanes own; the relay reads their trace contexts through the kind.
+        kinds.register(kinds.JobKind(DELIVERY_KIND, trace_contexts=delivery_trace_contexts))

@@ -57,7 +57,7 @@ def check_delivery_settings(app_configs, **kwargs):
         )
     if settings.WORKER_SHUTDOWN_GRACE < 0:
         errors.append(Error("WORKER_SHUTDOWN_GRACE must not be negative.", id="deliveries.E020"))
-    from .broker import QUEUES_SHARED, shares_tasks_queue
+    from .jobs.broker import QUEUES_SHARED, shares_tasks_queue
 
     if shares_tasks_queue():
         errors.append(Error(QUEUES_SHARED, id="deliveries.E007"))

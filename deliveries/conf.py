@@ -72,10 +72,10 @@ DEFAULTS: dict[str, object] = {
     "LOOP_HEARTBEAT_SECONDS": 10.0,
     # The pipeline's transport (relay to workers): a django-q2 broker class, its queue,
     # and the seconds before an unacknowledged message is handed out again.
-    "QUEUE_BROKER_CLASS": "deliveries.broker.DatabaseBroker",
+    "QUEUE_BROKER_CLASS": "deliveries.jobs.broker.DatabaseBroker",
     "QUEUE_NAME": "webhooks",
     "QUEUE_VISIBILITY_TIMEOUT": 90,
-    # Tests and the soak only: the crash point (deliveries/faults.py) and its count.
+    # Tests and the soak only: the crash point (deliveries/jobs/faults.py) and its count.
     "FAULT_INJECT_AT": "",
     "FAULT_INJECT_AFTER": 1,
     # Requests per API key (DRF rate syntax), counted in the shared cache.

@@ -22,9 +22,9 @@ def readyz(request):
     except DatabaseError:
         checks["database"] = "unavailable"
     try:
-        from deliveries.broker import broker
+        from deliveries.jobs.broker import get_broker
 
-        checks["broker"] = "ok" if broker().ping() else "unavailable"
+        checks["broker"] = "ok" if get_broker().ping() else "unavailable"
     except Exception:
         checks["broker"] = "unavailable"
     ready = all(v == "ok" for v in checks.values())

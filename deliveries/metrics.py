@@ -18,7 +18,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from deliveries.conf import settings
 from deliveries.prometheus import add_state_counts
 
-from .models import Delivery, DeliveryState, LoopRun, Outbox
+from .jobs.models import LoopRun, Outbox
+from .models import Delivery, DeliveryState
 
 OTHER = "other"
 
@@ -108,9 +109,9 @@ def delivery_gauges(now: float) -> Iterable[Metric]:
         value=unpublished.count(),
     )
 
-    from .broker import broker
+    from .jobs.broker import get_broker
 
-    b = broker()
+    b = get_broker()
     depth = GaugeMetricFamily(
         "webhooks_queue_depth",
         "Messages on the broker: visible (waiting for a worker) and invisible (taken, "

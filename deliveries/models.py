@@ -18,7 +18,7 @@ from deliveries.conf import settings
 from . import encryption
 from .egress import ErrorKind, validate_endpoint_url
 from .headers import validate_endpoint_headers
-from .ids import uuid7
+from .jobs.ids import uuid7
 from .timezones import validate_time_zone
 
 ERROR_KIND_CHOICES = [("", "None")] + [
@@ -525,93 +525,6 @@ class Attempt(models.Model):
             # Endpoint health over the last 24 hours (admin endpoint list).
             models.Index(fields=["endpoint", "started_at"], name="attempt_endpoint_started"),
         ]
-
-
-class Outbox(models.Model):
-    """One dispatch of a job waiting to be handed to the queue transport: a delivery, or
-    another kind of job registered with ``deliveries.jobs`` (an inbound event's
-    processing).
-
-    It is written in the same transaction that marks the job enqueued; the relay
-    publishes it to the broker and only then sets ``published_at``."""
-
-    id = models.BigAutoField(primary_key=True)
-    message_key = models.CharField(max_length=80, unique=True)
-    kind = models.CharField(max_length=20, default="delivery")
-    # The job's id: a Delivery's for kind "delivery".
-    ref_id = models.UUIDField()
-    dispatch = models.PositiveIntegerField()
-    priority = models.SmallIntegerField(default=0)
-    created_at = models.DateTimeField()
-    # A relay took the row and is publishing it; another relay may take it after this.
-    claimed_until = models.DateTimeField(null=True, blank=True)
-    published_at = models.DateTimeField(null=True, blank=True)
-
-    class Meta:
-        verbose_name_plural = "outbox"
-        indexes = [
-            # The relay's page: unpublished rows in insertion order.
-            models.Index(
-                fields=["id"], condition=Q(published_at__isnull=True), name="outbox_unpublished"
-            ),
-        ]
-
-
-class QueueMessage(models.Model):
-    """The database broker's queue (``deliveries.broker.DatabaseBroker``).
-
-    A message is visible when ``visible_at <= now``. A take locks visible messages and,
-    in the same transaction, deletes those it spent (a worker's delivery messages, spent
-    with their leases) and moves the others' ``visible_at`` to now + the visibility
-    timeout; an acknowledgement deletes those. The table holds only live messages."""
-
-    id = models.BigAutoField(primary_key=True)
-    queue = models.CharField(max_length=100)
-    payload = models.TextField()
-    priority = models.SmallIntegerField(default=0)
-    visible_at = models.DateTimeField()
-    receives = models.PositiveIntegerField(default=0)
-    created_at = models.DateTimeField()
-
-    class Meta:
-        indexes = [
-            # The broker's take: visible messages of a queue, by priority then age.
-            models.Index(fields=["queue", "-priority", "visible_at"], name="queue_visible"),
-        ]
-
-
-class EntityLock(models.Model):
-    """A lock on one business entity, with an expiry so a dead holder cannot keep it."""
-
-    key = models.CharField(max_length=300, primary_key=True)
-    owner = models.CharField(max_length=100)
-    expires_at = models.DateTimeField()
-
-
-class LoopRun(models.Model):
-    """What one run of a long-running command (scheduler, relay, workers, a poll loop)
-    did: the run id is in its logs, and its heartbeat is refreshed on a fixed period
-    while it runs (``deliveries.loops.Heartbeat``)."""
-
-    class Kind(models.TextChoices):
-        SCHEDULER = "scheduler"
-        RELAY = "relay"
-        WORKERS = "workers"
-        POLL = "poll"
-
-    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    kind = models.CharField(max_length=16, choices=Kind.choices)
-    host = models.CharField(max_length=200)
-    pid = models.PositiveIntegerField()
-    started_at = models.DateTimeField()
-    heartbeat_at = models.DateTimeField()
-    finished_at = models.DateTimeField(null=True, blank=True)
-    ticks = models.PositiveBigIntegerField(default=0)
-    # Counters by name, e.g. {"enqueued": 120, "lease_expired": 1}.
-    counts = models.JSONField(default=dict)
-
-    class Meta:
-        indexes = [models.Index(fields=["kind", "-started_at"], name="looprun_kind_started")]
 
 
 def endpoint_timeout(timeout: float | None) -> float:

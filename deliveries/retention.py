@@ -31,7 +31,8 @@ from django.utils import timezone
 from deliveries.conf import settings
 from deliveries.prometheus import PRUNED_ROWS
 
-from .models import Delivery, DeliveryState, Event, LoopRun, OperationalEvent, Outbox
+from .jobs.models import LoopRun, Outbox
+from .models import Delivery, DeliveryState, Event, OperationalEvent
 
 logger = logging.getLogger("deliveries.retention")
 

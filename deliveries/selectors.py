@@ -13,9 +13,11 @@ from django.utils import timezone
 from deliveries.conf import settings
 
 from .egress import EgressPolicy, IPNetwork
-from .models import Delivery, DeliveryState, EgressAllowance, LoopRun, Outbox
-from .sql import bound_cursor
-from .state import message_key
+from .jobs.models import LoopRun, Outbox
+from .jobs.outbox import message_key
+from .jobs.sql import bound_cursor
+from .models import Delivery, DeliveryState, EgressAllowance
+from .state import DELIVERY_KIND
 
 logger = logging.getLogger("deliveries.selectors")
 
@@ -90,7 +92,9 @@ def delivery_explain(delivery: Delivery, *, now: datetime | None = None) -> Expl
         )
     if state == DeliveryState.ENQUEUED:
         # By its unique message key: ref_id is not indexed.
-        outbox = Outbox.objects.filter(message_key=message_key(d.id, d.dispatch_count)).first()
+        outbox = Outbox.objects.filter(
+            message_key=message_key(DELIVERY_KIND, d.id, d.dispatch_count)
+        ).first()
         stale_at = d.enqueued_at + timedelta(seconds=settings.SCHEDULER_STALE_ENQUEUED_SECONDS)
         if outbox and outbox.published_at is None:
             alive = _loop_alive("relay", now)
@@ -157,7 +161,7 @@ def allowed_networks(
 
     One query for all the targets (a worker's batch): the targets' tenants' rows, by
     the tenant index, matched to endpoints here (a tenant has a few rows at most). On
-    PostgreSQL the tenant ids travel as one array parameter (deliveries.sql): the ORM's
+    PostgreSQL the tenant ids travel as one array parameter (deliveries.jobs.sql): the ORM's
     IN list of a 200-target batch cost 3.5 ms. Each tuple is sorted, so the same set is
     the same tuple (``EgressSession`` keys its pools by it)."""
     by_tenant: dict = {}
@@ -212,3 +216,12 @@ def egress_policy_for(
     batch at once (``allowed_networks``)."""
     extra = allowed_networks([(tenant_id, endpoint_id)])[(tenant_id, endpoint_id)]
     return EgressPolicy.from_settings().widened(extra)
+
+
+def delivery_trace_contexts(delivery_ids: list[uuid.UUID]) -> dict[uuid.UUID, str]:
+    """The W3C traceparent each delivery's event was published under, where it has one."""
+    return dict(
+        Delivery.objects.filter(id__in=delivery_ids)
+        .exclude(event__trace_context="")
+        .values_list("id", "event__trace_context")
+    )

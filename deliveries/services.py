@@ -18,10 +18,12 @@ from django.utils import timezone
 
 from deliveries.conf import settings
 
-from . import encryption, state, tracing, wakeup
+from . import encryption, state, tracing
 from .egress import validate_endpoint_url
 from .headers import validate_endpoint_headers
-from .ids import UUID7_SQL, uuid7
+from .jobs import wakeup
+from .jobs.ids import UUID7_SQL, uuid7
+from .jobs.sql import bound_cursor
 from .models import (
     ApiKey,
     AuditEntry,
@@ -34,7 +36,6 @@ from .models import (
 )
 from .selectors import egress_policy_for
 from .signing import generate_secret
-from .sql import bound_cursor
 from .timezones import validate_time_zone
 
 
@@ -159,7 +160,7 @@ def publish_event(
 # Endpoint.subscribes_to's: no event types means every type. Columns the statement leaves
 # out take the models' defaults, which the ORM path writes explicitly; keep both in step
 # (tests/deliveries/test_pipeline.py compares them). When deliveries were written and are
-# due now, the statement also wakes the scheduler (deliveries.wakeup.DUE): pg_notify is
+# due now, the statement also wakes the scheduler (deliveries.jobs.wakeup.DUE): pg_notify is
 # delivered with the caller's commit, never on a rollback, and PostgreSQL folds the
 # notifications of one transaction into one. (A NOTIFY statement of its own cost the
 # publishing process 150 µs a publish, a third of the rest.)

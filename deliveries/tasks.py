@@ -6,7 +6,8 @@ optional croniter package) or any other task runner. ``run_scheduler --once``,
 ``install_schedules`` (``manage.py install_schedules``) creates the maintenance rows:
 ``prune_pass`` hourly and ``alerts_pass`` every minute."""
 
-from .loops import relay_tick, scheduler_tick
+from .jobs.relay import relay_tick
+from .scheduler import scheduler_tick
 
 
 def scheduler_pass() -> dict:

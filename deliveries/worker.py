@@ -44,13 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
-from django.db import (
-    InterfaceError,
-    OperationalError,
-    close_old_connections,
-    connection,
-    transaction,
-)
+from django.db import close_old_connections, transaction
 from django.utils import timezone
 
 from deliveries.conf import settings
@@ -62,11 +56,12 @@ from deliveries.prometheus import (
     status_class,
 )
 
-from . import broker as transport
-from . import jobs, state, tracing, wakeup
+from . import state, tracing
 from .egress import EgressError, EgressSession
-from .faults import crash_point
 from .headers import sendable_headers
+from .jobs import broker, kinds, wakeup
+from .jobs.faults import crash_point
+from .jobs.loop import DB_ERRORS, Backoff, reset_connection
 from .metrics import ENDPOINT_LABELS
 from .models import Endpoint, endpoint_timeout
 from .policy import RetryPolicy, classify, parse_retry_after
@@ -117,32 +112,33 @@ class Taken:
     claimed: "Claimed | None"
 
 
-def _take(broker, batch_size: int, lease_seconds: float) -> Taken:
+def _take(queue, batch_size: int, lease_seconds: float) -> Taken:
     """Take a batch and lease its deliveries: one trip to the database thread.
 
     With the database broker, one transaction locks the messages, leases their
     deliveries and spends (deletes) every message this worker can handle: from then on a
     delivery's lease is its record, and a worker that dies leaves it to run out; the
     other kinds' jobs lease their rows next and recover a dispatch whose message is gone
-    (deliveries.jobs). Messages it cannot read, or of kinds it does not know, are hidden
+    (deliveries.jobs.kinds). Messages it cannot read, or of kinds it does not know, are hidden
     for the visibility timeout and left for a release that can. A worker that dies
     before the commit leaves the messages as they were. With another broker the batch
     is received first and the deliveries leased after."""
     close_old_connections()
-    if isinstance(broker, transport.DatabaseBroker):
+    if isinstance(queue, broker.DatabaseBroker):
         with transaction.atomic():
-            received = broker.lock(batch_size)
+            received = queue.lock(batch_size)
             messages, others = _sort(received)
             claimed = _claim(messages, lease_seconds) if messages else None
             spent = {t for t, _ in messages}
-            spent.update(t for kind in others if kind in jobs.KINDS for t, _ in others[kind])
-            broker.settle(spent=list(spent), hidden=[t for t, _ in received if t not in spent])
+            spent.update(t for kind in others if kinds.processed(kind) for t, _ in others[kind])
+            queue.settle(spent=list(spent), hidden=[t for t, _ in received if t not in spent])
         # Spent: nothing to acknowledge.
         messages = [(None, m) for _, m in messages]
-        for kind in others.keys() & jobs.KINDS.keys():
-            others[kind] = [(None, m) for _, m in others[kind]]
+        for kind in others:
+            if kinds.processed(kind):
+                others[kind] = [(None, m) for _, m in others[kind]]
     else:
-        received = transport.receive(broker, batch_size)
+        received = broker.receive(queue, batch_size)
         messages, others = _sort(received)
         claimed = _claim(messages, lease_seconds) if messages else None
     ENDPOINT_LABELS.refresh_if_due()
@@ -155,8 +151,8 @@ def _sort(received: list[tuple[object, str]]) -> tuple[list, dict]:
     messages, others = [], {}
     for task_id, payload in received:
         try:
-            m = transport.Message.decode(payload)
-        except transport.UnreadableMessage as exc:
+            m = broker.Message.decode(payload)
+        except broker.UnreadableMessage as exc:
             # Left unacknowledged: a release that reads it takes it after the visibility
             # timeout; meanwhile the scheduler's lost-dispatch sweep re-dispatches its
             # delivery in a format this release writes (docs/compatibility.md).
@@ -172,7 +168,7 @@ def _sort(received: list[tuple[object, str]]) -> tuple[list, dict]:
     return messages, others
 
 
-def _claim(messages: list[tuple[object, transport.Message]], lease_seconds: float) -> Claimed:
+def _claim(messages: list[tuple[object, broker.Message]], lease_seconds: float) -> Claimed:
     """Lease the batch's deliveries and load their endpoints (runs in a DB thread)."""
     wanted = [(m.job_id, m.dispatch) for _, m in messages]
     now = timezone.now()
@@ -272,7 +268,7 @@ def _record_disabled(endpoint_ids) -> None:
     close_old_connections()
     try:
         endpoint_disabled_signal(endpoint_ids)
-    except (OperationalError, InterfaceError):
+    except DB_ERRORS:
         raise  # retried by the caller
     except Exception:
         logger.exception("could not record the incident", extra={"action": "alert.record_failed"})
@@ -286,7 +282,7 @@ def _run_job(job, messages) -> Counter:
 def _record_and_acknowledge(
     results: list[state.AttemptResult],
     policy: RetryPolicy,
-    broker,
+    queue,
     task_ids: list,
     released: list[state.Leased],
 ) -> tuple[state.RecordSummary, int]:
@@ -301,7 +297,7 @@ def _record_and_acknowledge(
         now = timezone.now()
         summary = state.record(results, now=now, policy=policy)
         returned = state.release(released, now=now) if released else 0
-    transport.acknowledge(broker, task_ids)
+    broker.acknowledge(queue, task_ids)
     return summary, returned
 
 
@@ -312,13 +308,13 @@ class Worker:
         batch_size: int | None = None,
         concurrency: int | None = None,
         lanes: int = 4,
-        broker=None,
+        queue=None,
         egress: EgressSession | None = None,
         shutdown_grace: float | None = None,
     ) -> None:
         self.batch_size = batch_size or settings.WORKER_BATCH_SIZE
         self.lanes = lanes
-        self.broker = broker or transport.broker()
+        self.queue = queue or broker.get_broker()
         self.policy = RetryPolicy.from_settings()
         # A prefetched delivery may wait for a request slot as long as a request can take
         # (slots held by hanging requests), then take as long itself.
@@ -355,16 +351,15 @@ class Worker:
 
     async def _in_db_retrying(self, fn, *args, attempts: int = 6):
         """Recording must survive a database blip: the attempts already happened."""
-        delay = 0.25
+        backoff = Backoff(first=0.25)
         for i in range(attempts):
             try:
                 return await self._in_db(fn, *args)
-            except (OperationalError, InterfaceError):
+            except DB_ERRORS:
                 if i == attempts - 1:
                     raise
-                await self._in_db(_close_connection)
-                await asyncio.sleep(delay)
-                delay *= 2
+                await self._in_db(reset_connection)
+                await asyncio.sleep(backoff.next())
         return None
 
     async def process_batch(self) -> int:
@@ -382,7 +377,7 @@ class Worker:
         # same moment do not each count the same free slots.
         self.sending += limit
         try:
-            taken = await self._in_db(_take, self.broker, limit, self.lease_seconds)
+            taken = await self._in_db(_take, self.queue, limit, self.lease_seconds)
         finally:
             self.sending -= limit
         for kind, items in taken.others.items():
@@ -394,17 +389,17 @@ class Worker:
         return taken.received, sending
 
     async def _process_other(self, kind: str, items: list) -> None:
-        """Jobs registered by other apps (deliveries.jobs), acknowledged after they ran
+        """Jobs registered by other apps (deliveries.jobs.kinds), acknowledged after they ran
         (the database broker's take spent them already); unknown kinds are left
         unacknowledged so that a worker that knows them gets them later."""
-        job = jobs.KINDS.get(kind)
+        job = kinds.processed(kind)
         if job is None:
             logger.error("unknown job kind", extra={"action": "workers.unknown_kind", "kind": kind})
             return
         counts = await self._in_db_retrying(_run_job, job, [m for _, m in items])
         task_ids = [task_id for task_id, _ in items if task_id is not None]
         if task_ids:
-            await self._in_db_retrying(transport.acknowledge, self.broker, task_ids)
+            await self._in_db_retrying(broker.acknowledge, self.queue, task_ids)
         self.counts.update({f"{kind}.{k}": v for k, v in counts.items()})
 
     async def _deliver(self, messages: list[tuple[object, str]], claimed: "Claimed") -> None:
@@ -493,7 +488,7 @@ class Worker:
         crash_point("worker.after_send")
         _observe(results)
         summary, returned = await self._in_db_retrying(
-            _record_and_acknowledge, results, self.policy, self.broker, task_ids, released
+            _record_and_acknowledge, results, self.policy, self.queue, task_ids, released
         )
         if summary.succeeded:
             DELIVERIES_FINISHED.labels("succeeded").inc(summary.succeeded)
@@ -658,10 +653,10 @@ class Worker:
 
     def _listen(self) -> tuple[threading.Event, threading.Thread] | None:
         """With the database broker on PostgreSQL, a thread waits for the broker's
-        notifications and wakes idle lanes (deliveries.wakeup); they still poll every
+        notifications and wakes idle lanes (deliveries.jobs.wakeup); they still poll every
         LISTEN_POLL seconds for redeliveries, which nobody announces. Returns the event
         that stops the thread, and the thread."""
-        if not (isinstance(self.broker, transport.DatabaseBroker) and wakeup.available()):
+        if not (isinstance(self.queue, broker.DatabaseBroker) and wakeup.available()):
             return None
         loop = asyncio.get_running_loop()
         stopped = threading.Event()
@@ -674,7 +669,7 @@ class Worker:
                         loop.call_soon_threadsafe(self.wake.set)
             finally:
                 listener.close()
-                _close_connection()
+                reset_connection()
 
         thread = threading.Thread(target=listen, name="worker-listen", daemon=True)
         thread.start()
@@ -697,7 +692,7 @@ class Worker:
         requests go out in their own task while the lane takes the next one. Requests
         that hang (an endpoint that sleeps) therefore hold their own slots, not the lane.
         """
-        backoff = 0.5
+        backoff = Backoff()
         mine: set[asyncio.Task] = set()
         try:
             while not stop.is_set():
@@ -711,15 +706,14 @@ class Worker:
                 self.wake.clear()
                 try:
                     handled, sending = await self._take_and_start(room)
-                    backoff = 0.5
-                except (OperationalError, InterfaceError) as exc:
+                    backoff.reset()
+                except DB_ERRORS as exc:
                     logger.warning(
                         "database unavailable, retrying",
                         extra={"action": "workers.db_error", "error": str(exc)},
                     )
-                    await self._in_db(_close_connection)
-                    await _wait(stop, backoff)
-                    backoff = min(backoff * 2, 10.0)
+                    await self._in_db(reset_connection)
+                    await _wait(stop, backoff.next())
                     continue
                 if sending is not None:
                     mine.add(sending)
@@ -759,18 +753,11 @@ def close_thread_connections(executor: ThreadPoolExecutor, threads: int) -> None
     def close() -> None:
         with contextlib.suppress(threading.BrokenBarrierError):
             barrier.wait(timeout=5)
-        _close_connection()
+        reset_connection()
 
     for future in [executor.submit(close) for _ in range(threads)]:
         future.result()
     executor.shutdown(wait=True)
-
-
-def _close_connection() -> None:
-    try:
-        connection.close()
-    except Exception:
-        logger.debug("closing a broken connection failed")
 
 
 async def _wait(stop: asyncio.Event, seconds: float) -> None:

@@ -17,7 +17,8 @@ class IngestConfig(AppConfig):
     def ready(self) -> None:
         from django.db.models.signals import post_delete, post_save
 
-        from deliveries import alerts, jobs, retention
+        from deliveries import alerts, retention
+        from deliveries.jobs import kinds
         from deliveries.prometheus import register_provider
 
         from .alerts import verification_failure_check
@@ -26,7 +27,7 @@ class IngestConfig(AppConfig):
         from .retention import inbound_pruner
         from .services import KIND, forget_sources, inbound_process, inbound_schedule
 
-        jobs.register(jobs.JobKind(KIND, process=inbound_process, schedule=inbound_schedule))
+        kinds.register(kinds.JobKind(KIND, process=inbound_process, schedule=inbound_schedule))
         register_provider("inbound", inbound_gauges)
         register_provider("polling", polling_gauges)
         alerts.register_check("verification_failures", verification_failure_check)

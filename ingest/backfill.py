@@ -22,7 +22,7 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from deliveries.loops import Heartbeat
+from deliveries.jobs.loop import Heartbeat
 from ingest.conf import settings
 
 from .models import BackfillRun, BackfillState, InboundEvent, PollSource

@@ -7,7 +7,7 @@ from django.db import models
 from django.db.models import Q
 
 from deliveries import encryption
-from deliveries.ids import uuid7
+from deliveries.jobs.ids import uuid7
 
 from .schemes import SCHEMES
 

@@ -15,8 +15,8 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from deliveries.locks import entity_lock_acquire, entity_lock_release
-from deliveries.models import EntityLock
+from deliveries.jobs.locks import entity_lock_acquire, entity_lock_release
+from deliveries.jobs.models import EntityLock
 from ingest.conf import settings
 
 from .models import PollSource, Source
@@ -31,7 +31,7 @@ class LeaseLost(Exception):
 
 
 class Lease:
-    """An expiring row (``deliveries.locks``) that one process at a time holds on a poll
+    """An expiring row (``deliveries.jobs.locks``) that one process at a time holds on a poll
     source or a backfill run. Renewed in the transaction that stores each page, so a
     holder whose lease was taken over can commit nothing. A holder on this host whose
     process is gone (``kill -9``) is taken over at once instead of after the expiry."""

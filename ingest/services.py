@@ -6,7 +6,7 @@ handlers under an entity lock, record), with guarded transitions on ``InboundEve
        └──lost dispatch─────┴──lease expired──▶ pending
 
 The processing job rides the delivery pipeline's outbox, relay, broker and workers as job
-kind ``inbound`` (``deliveries.jobs``); the retry schedule is the deliveries' policy.
+kind ``inbound`` (``deliveries.jobs.kinds``); the retry schedule is the deliveries' policy.
 """
 
 import hashlib
@@ -33,10 +33,16 @@ from django.db.models import F
 from django.utils import timezone
 
 from deliveries import encryption, ratelimit
-from deliveries.broker import Message
-from deliveries.ids import UUID7_SQL, uuid7
-from deliveries.locks import entity_lock_acquire, entity_lock_release, entity_locks_acquire
-from deliveries.models import Outbox
+from deliveries.jobs.broker import Message
+from deliveries.jobs.ids import UUID7_SQL, uuid7
+from deliveries.jobs.locks import (
+    RELEASE_SQL,
+    entity_lock_acquire,
+    entity_lock_release,
+    entity_locks_acquire,
+)
+from deliveries.jobs.outbox import outbox_insert_sql, outbox_write
+from deliveries.jobs.sql import bound_cursor
 from deliveries.policy import RetryPolicy
 from deliveries.prometheus import (
     INBOUND_HANDLER_DURATION,
@@ -46,8 +52,6 @@ from deliveries.prometheus import (
     INBOUND_SIGNATURE_FAILURES,
 )
 from deliveries.signals import send_after_commit
-from deliveries.sql import bound_cursor
-from deliveries.state import message_key
 from ingest.conf import settings
 
 from .handlers import ParsedEvent, handlers_for
@@ -339,8 +343,7 @@ def _insert(
 # The event and its processing job in one statement: insert-or-nothing on
 # UNIQUE(source, event_id) and on the partial UNIQUE(source, body_sha256) (no conflict
 # target: either key makes a copy; a concurrent copy waits for the first and then
-# inserts nothing), and the outbox row only for an event actually inserted. The message
-# key is deliveries.state.message_key(id, 1, "inbound").
+# inserts nothing), and the outbox row only for an event actually inserted.
 _INSERT_SQL = """
 WITH new AS (
     INSERT INTO ingest_inboundevent (id, source_id, event_id, body_sha256, event_type,
@@ -352,12 +355,13 @@ WITH new AS (
     ON CONFLICT DO NOTHING
     RETURNING id
 ), job AS (
-    INSERT INTO deliveries_outbox (message_key, kind, ref_id, dispatch, priority, created_at)
-    SELECT 'inbound:' || replace(id::text, '-', '') || ':1', 'inbound', id, 1, 0, %(now)s
-    FROM new WHERE %(with_job)s
+    {outbox}
 )
 SELECT count(*) FROM new
-"""
+""".replace(
+    "{outbox}",
+    outbox_insert_sql(kind=KIND, source="new", dispatch="1", priority="0", where="%(with_job)s"),
+)
 
 
 def _insert_postgres(fields: dict, now: datetime, *, with_job: bool) -> bool:
@@ -466,9 +470,7 @@ WITH rows AS (
     ON CONFLICT (source_id, event_id) DO NOTHING
     RETURNING id
 ), job AS (
-    INSERT INTO deliveries_outbox (message_key, kind, ref_id, dispatch, priority, created_at)
-    SELECT 'inbound:' || replace(id::text, '-', '') || ':1', 'inbound', id, 1, 0, %(now)s
-    FROM new
+    {outbox}
 ), dup AS (
     UPDATE ingest_inboundevent e
     SET duplicates = e.duplicates + 1, last_duplicate_at = %(now)s
@@ -476,23 +478,14 @@ WITH rows AS (
     RETURNING 1
 )
 SELECT (SELECT coalesce(array_agg(id), '{}') FROM new), (SELECT count(*) FROM dup)
-""".replace("{uuid7}", UUID7_SQL)
+""".replace("{uuid7}", UUID7_SQL).replace(
+    "{outbox}", outbox_insert_sql(kind=KIND, source="new", dispatch="1", priority="0")
+)
 
 
 def _write_outbox(ids: Sequence[uuid.UUID], now: datetime) -> None:
     dispatches = dict(InboundEvent.objects.filter(id__in=ids).values_list("id", "dispatch_count"))
-    Outbox.objects.bulk_create(
-        [
-            Outbox(
-                message_key=message_key(i, dispatches[i], KIND),
-                kind=KIND,
-                ref_id=i,
-                dispatch=dispatches[i],
-                created_at=now,
-            )
-            for i in ids
-        ]
-    )
+    outbox_write(kind=KIND, jobs=[(i, dispatches[i], 0) for i in ids], now=now)
 
 
 # --- Scheduling (run by the scheduler's sweeps) -----------------------------------------
@@ -871,12 +864,9 @@ WITH done AS (
     ON CONFLICT (key) DO UPDATE SET applied_at = EXCLUDED.applied_at,
         event_id = EXCLUDED.event_id
     WHERE ingest_entityversion.applied_at <= EXCLUDED.applied_at
-), unlock AS (
-    DELETE FROM deliveries_entitylock WHERE key = ANY(%(lock_keys)b::text[])
-        AND owner = %(owner)s
-)
+), unlock AS ({release})
 SELECT count(*) FROM done
-"""
+""".replace("{release}", RELEASE_SQL.strip())
 
 
 def _complete_many(ids, states, runs, versions, lock_keys, token) -> bool:

@@ -40,6 +40,7 @@ INSTALLED_APPS = [
     "drf_spectacular_sidecar",
     "django_q",
     "deliveries",
+    "deliveries.jobs",
     "ingest",
 ]
 # Development only (requirements/dev.txt): `manage.py lintmigrations`, run by `make test`,
@@ -97,7 +98,7 @@ if env.str("DATABASE_URL", default=""):
 else:
     DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": SQLITE_PATH}}
 if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
-    # The hot path's statements (deliveries.sql.bound_cursor: claim, lease, record,
+    # The hot path's statements (deliveries.jobs.sql.bound_cursor: claim, lease, record,
     # publish, the inbound insert) are prepared on a connection after this many runs, so
     # PostgreSQL stops parsing and planning them every time. The ORM's client-side-binding
     # cursors never prepare. 0 turns it off (a pooler in transaction mode, like PgBouncer

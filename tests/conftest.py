@@ -9,8 +9,9 @@ from django.db import connection
 from django.utils import timezone
 
 from deliveries import services
-from deliveries.loops import relay_tick, scheduler_tick
+from deliveries.jobs.relay import relay_tick
 from deliveries.models import Tenant
+from deliveries.scheduler import scheduler_tick
 from deliveries.worker import Worker
 from tests.receiver import Receiver
 

@@ -22,6 +22,7 @@ INSTALLED_APPS = [
     "django_q",
     "drf_spectacular",
     "deliveries",
+    "deliveries.jobs",
     "ingest",
 ]
 MIDDLEWARE = [

@@ -35,14 +35,16 @@ from tests.chaos.pgcluster import PrivateCluster, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Which named crash points (deliveries/faults.py) each role can be armed with.
+# Which named crash points (deliveries/jobs/faults.py) each role can be armed with.
 FAULT_POINTS = {
     "relay": ["relay.before_publish", "relay.after_publish"],
     "worker": ["worker.after_lease", "worker.after_send"],
     "scheduler": [],
 }
 STARTUP_SECONDS = 8.0  # time a restarted command needs to be up, on a busy 2-core machine
-CRASH_EXIT_CODE = 137  # deliveries.faults.CRASH_EXIT_CODE (not imported: Django is not set up yet)
+CRASH_EXIT_CODE = (
+    137  # deliveries.jobs.faults.CRASH_EXIT_CODE (not imported: Django is not set up yet)
+)
 
 
 @dataclass
@@ -666,7 +668,8 @@ def run(cfg: Config) -> int:
         from django.db import connection
 
         from deliveries import services
-        from deliveries.models import Delivery, Outbox, QueueMessage, Tenant
+        from deliveries.jobs.models import Outbox, QueueMessage
+        from deliveries.models import Delivery, Tenant
         from ingest.models import InboundEvent
         from ingest.services import source_create
         from tests.chaos.handlers import SOURCE

@@ -225,8 +225,8 @@ def test_the_global_ceiling_binds_when_no_tenant_or_endpoint_ceiling_is_near():
 
 def test_a_pass_that_takes_the_last_global_slot_says_the_ceiling_is_filled():
     """``filled``: the next pass can admit only what the workers free meanwhile (the
-    scheduler then paces itself, loops.refill_pause). A pass stopped by its page, by an
-    endpoint's ceiling or by running out of due rows has not filled it."""
+    scheduler then paces itself, deliveries.scheduler.refill_pause). A pass stopped by
+    its page, by an endpoint's ceiling or by running out of due rows has not filled it."""
     t = Tenant.objects.create(name="t")
     fill(t, 10, url="http://127.0.0.1:9/a")
 

@@ -17,11 +17,13 @@ from django_q.conf import Conf
 from django_q.signing import SignedPackage
 from django_q.tasks import async_task
 
-from deliveries import broker as transport
 from deliveries import services, state
-from deliveries.broker import DatabaseBroker, Message
-from deliveries.loops import relay_tick, scheduler_tick
-from deliveries.models import Delivery, QueueMessage
+from deliveries.jobs import broker
+from deliveries.jobs.broker import DatabaseBroker, Message
+from deliveries.jobs.models import QueueMessage
+from deliveries.jobs.relay import relay_tick
+from deliveries.models import Delivery
+from deliveries.scheduler import scheduler_tick
 from tests.conftest import drain, run_workers
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.sqlite]
@@ -148,7 +150,7 @@ def test_the_pipeline_runs_on_django_q2_redis_broker(tenant, receiver, redis_bro
     assert relay_tick(b=redis_broker).counts["published"] == 5
     assert redis_broker.queue_size() == 5
     assert QueueMessage.objects.count() == 0  # nothing went through the database queue
-    counts = run_workers(broker=redis_broker, lanes=1)
+    counts = run_workers(queue=redis_broker, lanes=1)
 
     assert counts["succeeded"] == 5
     assert Delivery.objects.filter(state="succeeded").count() == 5
@@ -159,17 +161,17 @@ def test_the_pipeline_runs_on_django_q2_redis_broker(tenant, receiver, redis_bro
 @pytest.mark.redis
 def test_the_redis_broker_publishes_a_page_and_hands_out_batches_in_order(redis_broker):
     messages = [Message(uuid.uuid4(), 1) for _ in range(5)]
-    transport.publish(redis_broker, messages)
+    broker.publish(redis_broker, messages)
     assert redis_broker.queue_size() == 5
 
-    first = transport.receive(redis_broker, 3)
-    second = transport.receive(redis_broker, 10)
+    first = broker.receive(redis_broker, 3)
+    second = broker.receive(redis_broker, 10)
 
     # A batch, not django-q2's one message per dequeue; oldest first; each message once.
     assert [Message.decode(p) for _, p in first] == messages[:3]
     assert [Message.decode(p) for _, p in second] == messages[3:]
     assert redis_broker.queue_size() == 0
-    transport.publish(redis_broker, [])  # an empty page is not an error
+    broker.publish(redis_broker, [])  # an empty page is not an error
     assert redis_broker.queue_size() == 0
 
 
@@ -182,13 +184,13 @@ def test_a_message_the_redis_broker_lost_is_recovered_by_the_scheduler(
     scheduler_tick()
     relay_tick(b=redis_broker)
     # A worker popped it and died: django-q2's Redis broker has no acknowledgement.
-    assert transport.receive(redis_broker, 10)
-    assert run_workers(broker=redis_broker, lanes=1)["messages"] == 0
+    assert broker.receive(redis_broker, 10)
+    assert run_workers(queue=redis_broker, lanes=1)["messages"] == 0
 
     Delivery.objects.update(enqueued_at=timezone.now() - timezone.timedelta(hours=1))
     assert scheduler_tick().counts["transport_lost"] == 1
     relay_tick(b=redis_broker)
-    run_workers(broker=redis_broker, lanes=1)
+    run_workers(queue=redis_broker, lanes=1)
 
     d = Delivery.objects.get()
     assert d.state == "succeeded" and d.dispatch_count == 2
@@ -200,7 +202,7 @@ def test_messages_carry_the_format_version_and_read_every_version_still_queued()
     data = json.loads(
         Message(job, 1, traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01").encode()
     )
-    assert data["v"] == transport.MESSAGE_VERSION == 2
+    assert data["v"] == broker.MESSAGE_VERSION == 2
     # Version 1, written by the release before message versions: no "v", no "tp".
     old = Message.decode(json.dumps({"d": job.hex, "n": 4, "p": 1}))
     assert (old.job_id, old.dispatch, old.priority, old.kind, old.version) == (
@@ -214,7 +216,7 @@ def test_messages_carry_the_format_version_and_read_every_version_still_queued()
     inbound = Message.decode(json.dumps({"d": job.hex, "n": 1, "k": "inbound"}))
     assert inbound.kind == "inbound"
     for unreadable in ('{"v": 99, "d": "x", "n": 1}', "not json", '{"v": 2, "n": 1}', "[]"):
-        with pytest.raises(transport.UnreadableMessage):
+        with pytest.raises(broker.UnreadableMessage):
             Message.decode(unreadable)
 
 
@@ -299,7 +301,7 @@ def both_brokers(request, monkeypatch, settings):
         monkeypatch.setattr(Conf, "BROKER_CLASS", f"{Redis.__module__}.Redis")
         monkeypatch.setattr(Conf, "REDIS", REDIS_TESTS_URL)
         settings.QUEUE_BROKER_CLASS = f"{Redis.__module__}.Redis"
-    pipeline, tasks = transport.broker(), get_broker()
+    pipeline, tasks = broker.get_broker(), get_broker()
     yield pipeline, tasks
     pipeline.purge_queue()
     tasks.purge_queue()
@@ -315,11 +317,11 @@ def test_the_pipeline_and_django_q2_never_read_each_others_messages(tenant, both
     task_id = async_task("deliveries.tasks.alerts_pass", broker=tasks)
 
     assert pipeline.list_key != tasks.list_key
-    taken = transport.receive(pipeline, 10)
+    taken = broker.receive(pipeline, 10)
     assert [Message.decode(p).job_id for _, p in taken] == [Delivery.objects.get().id]
     pulled = tasks.dequeue()
     assert [SignedPackage.loads(p)["id"] for _, p in pulled] == [task_id]
-    assert transport.receive(pipeline, 10) == [] and not tasks.dequeue()
+    assert broker.receive(pipeline, 10) == [] and not tasks.dequeue()
 
 
 def test_django_q2s_pusher_waits_its_poll_interval_on_an_empty_queue_and_workers_never(

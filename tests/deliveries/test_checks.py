@@ -45,15 +45,15 @@ def test_only_checks_given_databases_ask_the_server():
 def test_one_queue_name_for_the_pipeline_and_django_q2_is_refused(settings):
     from django.core.exceptions import ImproperlyConfigured
 
-    from deliveries.broker import broker
     from deliveries.checks import check_delivery_settings
+    from deliveries.jobs.broker import get_broker
 
     assert "deliveries.E007" not in [e.id for e in check_delivery_settings(None)]
     settings.QUEUE_NAME = settings.Q_CLUSTER["name"]
 
     assert "deliveries.E007" in [e.id for e in check_delivery_settings(None)]
     with pytest.raises(ImproperlyConfigured, match="QUEUE_NAME"):
-        broker()
+        get_broker()
 
 
 def test_a_heartbeat_period_that_is_not_positive_is_refused(settings):

@@ -14,7 +14,8 @@ from django.core.management import call_command
 from django.utils import timezone
 
 from deliveries import services
-from deliveries.models import ApiKey, Attempt, Delivery, LoopRun, QueueMessage
+from deliveries.jobs.models import LoopRun, QueueMessage
+from deliveries.models import ApiKey, Attempt, Delivery
 from deliveries.services import hash_api_key
 from tests.conftest import drain, manage, queue_for_slow_endpoint, subprocess_env
 
@@ -77,7 +78,7 @@ def test_once_runs_record_what_they_did(tenant):
 def test_a_loop_process_freezes_its_start_up_heap_and_collects_less_often():
     code = (
         "import gc, django; django.setup();"
-        "from deliveries.loops import GC_YOUNG_THRESHOLD, settle_heap;"
+        "from deliveries.jobs.loop import GC_YOUNG_THRESHOLD, settle_heap;"
         "before = gc.get_freeze_count(); settle_heap();"
         "print(before, gc.get_freeze_count(), gc.get_threshold()[0] == GC_YOUNG_THRESHOLD)"
     )

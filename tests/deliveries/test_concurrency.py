@@ -12,8 +12,10 @@ from django.db import connection
 
 from deliveries import services
 from deliveries import worker as worker_module
-from deliveries.loops import StopFlag, relay_tick, run_loop, scheduler_tick
+from deliveries.jobs.loop import StopFlag, run_loop
+from deliveries.jobs.relay import relay_tick
 from deliveries.models import Attempt, Delivery
+from deliveries.scheduler import scheduler_tick
 from deliveries.worker import Worker
 from tests.conftest import in_thread, queue_for_slow_endpoint
 

@@ -9,9 +9,11 @@ from django.utils import timezone
 from django_q.brokers.redis_broker import Redis
 
 from deliveries import services
-from deliveries.faults import CRASH_EXIT_CODE
-from deliveries.loops import relay_tick, scheduler_tick
-from deliveries.models import Attempt, Delivery, Event, Outbox, QueueMessage
+from deliveries.jobs.faults import CRASH_EXIT_CODE
+from deliveries.jobs.models import Outbox, QueueMessage
+from deliveries.jobs.relay import relay_tick
+from deliveries.models import Attempt, Delivery, Event
+from deliveries.scheduler import scheduler_tick
 from tests.conftest import drain, make_due, manage, run_workers, subprocess_env
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow, pytest.mark.sqlite]
@@ -129,7 +131,7 @@ def test_relay_on_redis_killed_before_publication_leaves_a_claim(published, rece
     assert relay_tick(b=redis_queue).counts["published"] == 0
     time_passes()
     assert relay_tick(b=redis_queue).counts["published"] == 1
-    run_workers(broker=redis_queue, lanes=1)
+    run_workers(queue=redis_queue, lanes=1)
 
     assert_one_terminal_delivery(published, receiver, copies=1)
 
@@ -144,7 +146,7 @@ def test_relay_on_redis_killed_after_publication_publishes_again(published, rece
     time_passes()
     assert relay_tick(b=redis_queue).counts["published"] == 1
     assert redis_queue.queue_size() == 2
-    run_workers(broker=redis_queue, lanes=1)
+    run_workers(queue=redis_queue, lanes=1)
 
     # The relay published the message twice; the lease guard made it one attempt.
     assert Attempt.objects.filter(delivery=published).count() == 1

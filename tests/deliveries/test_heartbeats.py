@@ -11,7 +11,8 @@ import pytest
 from django.core.management import call_command, get_commands
 from django.utils import timezone
 
-from deliveries.models import Delivery, LoopRun
+from deliveries.jobs.models import LoopRun
+from deliveries.models import Delivery
 from ingest.models import BackfillRun
 from ingest.poller import poll_source_create
 from tests.conftest import queue_for_slow_endpoint, scrape, subprocess_env

@@ -4,7 +4,7 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from deliveries.locks import entity_lock_acquire, entity_lock_release
+from deliveries.jobs.locks import entity_lock_acquire, entity_lock_release
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.sqlite]
 

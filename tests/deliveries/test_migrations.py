@@ -123,14 +123,21 @@ def test_every_delivery_inserted_is_listed_whoever_inserts_it(tenant):
     assert not DeliveryListing.objects.exists()
 
 
+def state_after(app: str, migration: str):
+    """The models as the migration ``app.migration`` saw them."""
+    from django.db.migrations.loader import MigrationLoader
+
+    return MigrationLoader(connection).project_state((app, migration)).apps
+
+
 tasks_queue = importlib.import_module("deliveries.migrations.0021_looprun_poll_and_tasks_queue")
 
 
 def test_0021_moves_django_q2_tasks_out_of_the_pipelines_queue_and_keeps_its_messages(settings):
     from django_q.signing import SignedPackage
 
-    from deliveries.broker import DatabaseBroker, Message
-    from deliveries.models import QueueMessage
+    from deliveries.jobs.broker import DatabaseBroker, Message
+    from deliveries.jobs.models import QueueMessage
 
     pipeline = DatabaseBroker(list_key=settings.QUEUE_NAME)
     delivery = Message(uuid.uuid4(), 1).encode()
@@ -139,7 +146,9 @@ def test_0021_moves_django_q2_tasks_out_of_the_pipelines_queue_and_keeps_its_mes
     pipeline.enqueue_many([delivery, future, task], priorities=[0, 0, 0])
 
     with connection.schema_editor() as editor:
-        tasks_queue.move_tasks(apps, editor)
+        tasks_queue.move_tasks(
+            state_after("deliveries", "0021_looprun_poll_and_tasks_queue"), editor
+        )
 
     queues = dict(QueueMessage.objects.values_list("payload", "queue"))
     assert queues == {
@@ -147,3 +156,29 @@ def test_0021_moves_django_q2_tasks_out_of_the_pipelines_queue_and_keeps_its_mes
         future: settings.QUEUE_NAME,
         task: settings.Q_CLUSTER["name"],
     }
+
+
+job_models_move = importlib.import_module("deliveries.jobs.migrations.0001_initial")
+
+
+def test_the_job_models_content_types_and_their_permissions_follow_them():
+    from django.contrib.auth.models import Permission
+    from django.contrib.contenttypes.models import ContentType
+
+    # As before the move: the content type (and a permission granted on it) is deliveries'.
+    ContentType.objects.filter(app_label="trusty_jobs", model="entitylock").delete()
+    old = ContentType.objects.create(app_label="deliveries", model="entitylock")
+    granted = Permission.objects.create(
+        content_type=old, codename="view_entitylock", name="Can view entity lock"
+    )
+    # A content type the new label has already is left alone, and so is the old one.
+    kept = ContentType.objects.create(app_label="deliveries", model="looprun")
+
+    with connection.schema_editor() as editor:
+        job_models_move.content_types_follow(state_after("trusty_jobs", "0001_initial"), editor)
+
+    old.refresh_from_db()
+    assert old.app_label == "trusty_jobs"
+    assert Permission.objects.get(id=granted.id).content_type_id == old.id
+    assert ContentType.objects.filter(id=kept.id, app_label="deliveries").exists()
+    assert ContentType.objects.filter(app_label="trusty_jobs", model="looprun").count() == 1

@@ -8,15 +8,8 @@ from django.utils import timezone
 from standardwebhooks.webhooks import Webhook
 
 from deliveries import services
-from deliveries.models import (
-    Attempt,
-    Delivery,
-    DeliveryListing,
-    Endpoint,
-    Event,
-    Outbox,
-    QueueMessage,
-)
+from deliveries.jobs.models import Outbox, QueueMessage
+from deliveries.models import Attempt, Delivery, DeliveryListing, Endpoint, Event
 from tests.conftest import drain, make_due
 from tests.receiver import always, fail_first
 

@@ -16,15 +16,8 @@ from django.utils import timezone
 from django_q.models import Schedule
 
 from deliveries import services
-from deliveries.models import (
-    Attempt,
-    Delivery,
-    DeliveryListing,
-    Endpoint,
-    Event,
-    LoopRun,
-    Outbox,
-)
+from deliveries.jobs.models import LoopRun, Outbox
+from deliveries.models import Attempt, Delivery, DeliveryListing, Endpoint, Event
 from deliveries.retention import prune
 from deliveries.tasks import install_schedules
 from ingest import handlers

@@ -65,7 +65,7 @@ def test_deliveries_reaching_a_disabled_endpoint_are_announced_dead(
 ):
     endpoint = make_endpoint(receiver.url("/ok"))
     publish(tenant, 2)
-    from deliveries.loops import scheduler_tick
+    from deliveries.scheduler import scheduler_tick
 
     scheduler_tick()  # admitted (enqueued) before the endpoint is disabled
     services.endpoint_disable(endpoint=endpoint, reason="maintenance")
@@ -98,8 +98,9 @@ def test_a_cancel_is_announced_after_commit_and_not_at_all_on_rollback(
 
 def test_retries_spent_by_expired_leases_are_announced_dead(tenant, make_endpoint, heard):
     from deliveries import state
-    from deliveries.loops import relay_tick, scheduler_tick
+    from deliveries.jobs.relay import relay_tick
     from deliveries.policy import RetryPolicy
+    from deliveries.scheduler import scheduler_tick
 
     make_endpoint("http://127.0.0.1:9/x")
     publish(tenant)

@@ -6,9 +6,12 @@ import pytest
 from django.utils import timezone
 
 from deliveries import services, state
-from deliveries.loops import relay_tick, scheduler_tick, start_run
-from deliveries.models import Delivery, Endpoint, Outbox
+from deliveries.jobs.loop import start_run
+from deliveries.jobs.models import Outbox
+from deliveries.jobs.relay import relay_tick
+from deliveries.models import Delivery, Endpoint
 from deliveries.policy import RetryPolicy
+from deliveries.scheduler import scheduler_tick
 from deliveries.selectors import delivery_explain
 from tests.conftest import drain, run_workers
 
@@ -93,7 +96,7 @@ def test_a_lost_dispatch_is_recovered_with_a_new_outbox_row(tenant, make_endpoin
     relay_tick()
     d = Delivery.objects.get()
     # The transport lost the message (a broker without acknowledgements, a purge...).
-    from deliveries.models import QueueMessage
+    from deliveries.jobs.models import QueueMessage
 
     QueueMessage.objects.all().delete()
     assert state.recover_lost_dispatches(now=NOW(), older_than=3600, limit=10) == 0
@@ -213,11 +216,11 @@ def test_the_scheduler_admits_on_every_pass_and_sweeps_once_an_interval(
 ):
     """SchedulerPasses (run_scheduler's loop): admission every pass, the sweeps (here a
     lease running out) at most every sweep_every seconds of its clock."""
-    from deliveries import loops
+    from deliveries import scheduler
 
     clock = [1000.0]
-    monkeypatch.setattr(loops.time, "monotonic", lambda: clock[0])
-    passes = loops.SchedulerPasses(sweep_every=0.5)
+    monkeypatch.setattr(scheduler.time, "monotonic", lambda: clock[0])
+    passes = scheduler.SchedulerPasses(sweep_every=0.5)
     make_endpoint("http://127.0.0.1:9/x")
 
     def expired_lease() -> None:
@@ -244,14 +247,14 @@ def test_the_scheduler_admits_on_every_pass_and_sweeps_once_an_interval(
 def test_a_sweep_that_filled_its_page_runs_again_on_the_next_pass(
     tenant, make_endpoint, monkeypatch
 ):
-    from deliveries import loops
+    from deliveries import scheduler
 
-    monkeypatch.setattr(loops.time, "monotonic", lambda: 1000.0)  # the clock stands still
+    monkeypatch.setattr(scheduler.time, "monotonic", lambda: 1000.0)  # the clock stands still
     make_endpoint("http://127.0.0.1:9/x")
     publish(tenant, n=3)
     scheduler_tick(sweep=False)
     state.lease([(d.id, 1) for d in Delivery.objects.all()], now=NOW(), lease_seconds=-1)
-    passes = loops.SchedulerPasses(page_size=2, sweep_every=60)
+    passes = scheduler.SchedulerPasses(page_size=2, sweep_every=60)
 
     assert passes().counts["lease_expired"] == 2  # a full page: more may wait
     assert passes().counts["lease_expired"] == 1  # not a full page: swept dry
@@ -259,7 +262,8 @@ def test_a_sweep_that_filled_its_page_runs_again_on_the_next_pass(
 
 
 def test_the_refill_pause_is_the_time_to_free_a_tenth_of_the_ceiling():
-    from deliveries.loops import REFILL_MAX_WAIT, SOON_WAIT, refill_pause
+    from deliveries.jobs.loop import SOON_WAIT
+    from deliveries.scheduler import REFILL_MAX_WAIT, refill_pause
 
     # 5,000 in flight at most; 500 freed in the last 0.1 s: a tenth frees in 0.1 s.
     assert refill_pause(500, 0.1, 5000) == pytest.approx(0.1)
@@ -280,14 +284,14 @@ def test_a_pass_that_fills_the_global_ceiling_pauses_by_the_rate_slots_came_free
     """SchedulerPasses: once the global ceiling is full, the next pass waits for a
     tenth of it to come free (at the workers' rate since the last pass) instead of
     passing at every recording; a pass with room left does not pause."""
-    from deliveries import loops
+    from deliveries import scheduler
 
     settings.DELIVERY_MAX_IN_FLIGHT = 10
     clock = [1000.0]
-    monkeypatch.setattr(loops.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(scheduler.time, "monotonic", lambda: clock[0])
     make_endpoint("http://127.0.0.1:9/x")
     publish(tenant, n=20)
-    passes = loops.SchedulerPasses(sweep_every=60)
+    passes = scheduler.SchedulerPasses(sweep_every=60)
 
     first = passes()
     # Filled, but with no pass before it there is no rate yet: no pause asked.
@@ -301,7 +305,7 @@ def test_a_pass_that_fills_the_global_ceiling_pauses_by_the_rate_slots_came_free
     assert second.pause == pytest.approx(0.125)
     # Nothing freed since: the longest pause.
     clock[0] += 0.125
-    assert passes().pause == loops.REFILL_MAX_WAIT
+    assert passes().pause == scheduler.REFILL_MAX_WAIT
     # The last six due, room for ten: no pause.
     clock[0] += 0.2
     Delivery.objects.filter(state="enqueued").update(state="succeeded")

@@ -4,7 +4,8 @@ from django_q.models import Schedule
 from django_q.tasks import async_task  # noqa: F401  (django-q2 is importable and configured)
 
 from deliveries import services
-from deliveries.models import Delivery, QueueMessage, Tenant
+from deliveries.jobs.models import QueueMessage
+from deliveries.models import Delivery, Tenant
 
 pytestmark = [pytest.mark.django_db, pytest.mark.sqlite]
 

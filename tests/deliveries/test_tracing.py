@@ -10,9 +10,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from deliveries import services, tracing
-from deliveries.broker import Message
-from deliveries.loops import relay_tick, scheduler_tick
-from deliveries.models import Delivery, Event, QueueMessage
+from deliveries.jobs.broker import Message
+from deliveries.jobs.models import QueueMessage
+from deliveries.jobs.relay import relay_tick
+from deliveries.models import Delivery, Event
+from deliveries.scheduler import scheduler_tick
 from tests.conftest import drain, make_due, run_workers
 from tests.receiver import fail_first
 

@@ -1,4 +1,4 @@
-"""Wake-ups on PostgreSQL (deliveries.wakeup): new due work wakes the scheduler at the
+"""Wake-ups on PostgreSQL (deliveries.jobs.wakeup): new due work wakes the scheduler at the
 commit that makes it visible, and nothing else does."""
 
 import itertools
@@ -12,16 +12,11 @@ import pytest
 from django.db import transaction
 from django.utils import timezone
 
-from deliveries import services, state, wakeup
-from deliveries.loops import (
-    SOON_WAIT,
-    SchedulerPasses,
-    StopFlag,
-    Tick,
-    run_loop,
-    scheduler_tick,
-)
+from deliveries import services, state
+from deliveries.jobs import wakeup
+from deliveries.jobs.loop import SOON_WAIT, StopFlag, Tick, run_loop
 from deliveries.models import Delivery
+from deliveries.scheduler import SchedulerPasses, scheduler_tick
 from tests.conftest import in_thread
 
 pytestmark = pytest.mark.django_db(transaction=True)

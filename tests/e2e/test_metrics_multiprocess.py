@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.outbound import child_pids
 from deliveries import services, state
-from deliveries.loops import scheduler_tick
 from deliveries.models import Delivery
+from deliveries.scheduler import scheduler_tick
 from ingest.services import source_create
 from tests.conftest import gunicorn_server, manage, subprocess_env
 

@@ -12,7 +12,8 @@ import redis
 from django_q.models import Task
 
 from deliveries import services
-from deliveries.models import Delivery, QueueMessage
+from deliveries.jobs.models import QueueMessage
+from deliveries.models import Delivery
 from deliveries.tasks import MAINTENANCE_SCHEDULES, install_schedules
 from tests.conftest import subprocess_env
 

@@ -13,7 +13,7 @@ from django.db.models import Sum
 from django.utils.module_loading import import_string
 from django_q.models import Schedule
 
-from deliveries.models import EntityLock
+from deliveries.jobs.models import EntityLock
 from ingest import handlers
 from ingest.models import InboundEvent, PollSource
 from ingest.poller import Lease, poll_source_create, poll_source_run

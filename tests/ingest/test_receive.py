@@ -14,8 +14,9 @@ from django.test import Client
 from django.utils import timezone
 
 from deliveries import services as delivery_services
-from deliveries.loops import relay_tick
-from deliveries.models import Delivery, EntityLock, Tenant
+from deliveries.jobs.models import EntityLock
+from deliveries.jobs.relay import relay_tick
+from deliveries.models import Delivery, Tenant
 from ingest import handlers
 from ingest.models import EntityVersion, HandlerRun, InboundEvent, VerificationFailure
 from ingest.schemes import get_scheme
@@ -727,14 +728,14 @@ def test_a_worker_that_dies_between_its_take_and_the_lease_leaves_the_event_late
     """The database broker's take spends an inbound event's message before the job
     leases the event: a worker that dies in between leaves the event enqueued with no
     message, and the lost-dispatch sweep dispatches it again."""
-    from deliveries import broker
-    from deliveries.loops import scheduler_tick
-    from deliveries.models import QueueMessage
+    from deliveries.jobs import broker
+    from deliveries.jobs.models import QueueMessage
+    from deliveries.scheduler import scheduler_tick
     from deliveries.worker import _take
 
     assert post(stripe_event()).status_code == 200
     relay_tick()
-    taken = _take(broker.broker(), 10, 60)  # the take commits; the worker dies here
+    taken = _take(broker.get_broker(), 10, 60)  # the take commits; the worker dies here
 
     assert [m.kind for _, m in taken.others["inbound"]] == ["inbound"]
     assert QueueMessage.objects.count() == 0

@@ -14,6 +14,7 @@ from django.utils import timezone
 from django_q.models import OrmQ, Task
 
 from deliveries import services
+from deliveries.jobs.models import LoopRun
 from deliveries.models import (
     ApiKey,
     Attempt,
@@ -21,7 +22,6 @@ from deliveries.models import (
     EgressAllowance,
     EndpointSecret,
     EventType,
-    LoopRun,
     OperationalEvent,
     Tenant,
 )

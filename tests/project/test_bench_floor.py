@@ -11,7 +11,8 @@ import pytest
 from standardwebhooks.webhooks import Webhook
 
 from deliveries import services
-from deliveries.models import Attempt, Delivery, EndpointSecret, Outbox, QueueMessage
+from deliveries.jobs.models import Outbox, QueueMessage
+from deliveries.models import Attempt, Delivery, EndpointSecret
 from tests.conftest import subprocess_env
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]

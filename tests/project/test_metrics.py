@@ -11,9 +11,11 @@ from django.utils import timezone
 
 from deliveries import prometheus as metrics
 from deliveries import services, state
-from deliveries.loops import relay_tick, scheduler_tick
+from deliveries.jobs.models import LoopRun, Outbox
+from deliveries.jobs.relay import relay_tick
 from deliveries.metrics import EndpointLabels
-from deliveries.models import Delivery, LoopRun, Outbox
+from deliveries.models import Delivery
+from deliveries.scheduler import scheduler_tick
 from ingest import handlers
 from ingest.schemes import get_scheme
 from ingest.services import source_create

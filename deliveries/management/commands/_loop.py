@@ -1,6 +1,6 @@
 """Shared options for the loop commands."""
 
-from deliveries.loops import settle_heap
+from deliveries.jobs.loop import settle_heap
 
 
 def add_loop_arguments(parser) -> None:

@@ -1,8 +1,9 @@
 from django.core.management.base import BaseCommand
 
-from deliveries import broker, wakeup
 from deliveries.conf import settings
-from deliveries.loops import StopFlag, relay_tick, run_loop
+from deliveries.jobs import broker, wakeup
+from deliveries.jobs.loop import StopFlag, run_loop
+from deliveries.jobs.relay import relay_tick
 
 from ._loop import add_loop_arguments, settle_if_long_running
 
@@ -16,7 +17,7 @@ class Command(BaseCommand):
     def handle(self, *args, once=False, until_idle=False, **options):
         stop = StopFlag()
         stop.install()
-        b = broker.broker()
+        b = broker.get_broker()
         settle_if_long_running(once=once, until_idle=until_idle)
         totals = run_loop(
             "relay",

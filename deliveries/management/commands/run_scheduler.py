@@ -1,8 +1,9 @@
 from django.core.management.base import BaseCommand
 
-from deliveries import wakeup
 from deliveries.conf import settings
-from deliveries.loops import SchedulerPasses, StopFlag, run_loop
+from deliveries.jobs import wakeup
+from deliveries.jobs.loop import StopFlag, run_loop
+from deliveries.scheduler import SchedulerPasses
 
 from ._loop import add_loop_arguments, settle_if_long_running
 

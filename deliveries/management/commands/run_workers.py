@@ -4,7 +4,7 @@ import signal
 
 from django.core.management.base import BaseCommand
 
-from deliveries.loops import StopFlag, recorded_run
+from deliveries.jobs.loop import StopFlag, recorded_run
 from deliveries.worker import Worker
 
 from ._loop import add_loop_arguments, settle_if_long_running

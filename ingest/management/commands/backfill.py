@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 from django.core.management.base import BaseCommand, CommandError
 from django.utils.dateparse import parse_date, parse_datetime
 
-from deliveries.loops import StopFlag
+from deliveries.jobs.loop import StopFlag
 from ingest.backfill import (
     BackfillError,
     backfill_dry_run,

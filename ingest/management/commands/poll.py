@@ -2,7 +2,7 @@ from collections import Counter
 
 from django.core.management.base import BaseCommand, CommandError
 
-from deliveries.loops import StopFlag, recorded_run
+from deliveries.jobs.loop import StopFlag, recorded_run
 from ingest.models import PollSource
 from ingest.poller import poll_source_run
 

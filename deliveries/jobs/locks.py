@@ -63,6 +63,13 @@ def _acquire_portable(key: str, owner: str, expires: datetime, now: datetime) ->
     return True
 
 
+# Release the keys ``%(lock_keys)s`` that ``%(owner)s`` holds, as one part of a statement
+# of the caller's (a CTE of the statement that records the work done under the locks).
+RELEASE_SQL = """
+DELETE FROM deliveries_entitylock WHERE key = ANY(%(lock_keys)b::text[]) AND owner = %(owner)s
+"""
+
+
 def entity_lock_release(*, key: str, owner: str) -> bool:
     """Release ``key`` if ``owner`` still holds it."""
     return bool(EntityLock.objects.filter(key=key, owner=owner).delete()[0])

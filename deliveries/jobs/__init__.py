@@ -1,0 +1,28 @@
+"""The job machinery: what every kind of queued work shares. Outbound deliveries
+(``deliveries``) and an inbound event's processing (``ingest``) are two kinds on it;
+each keeps its own table and state rules, and uses only this interface:
+
+- enqueue in the caller's transaction: ``outbox.outbox_write`` (any database) or
+  ``outbox.outbox_insert_sql`` (a CTE of a PostgreSQL statement that makes the jobs
+  enqueued), keyed by ``outbox.message_key``;
+- register a kind and what the shared loops call for it: ``kinds.register``;
+- carry messages: ``broker`` (``get_broker``, ``Message``, ``publish``, ``receive``,
+  ``acknowledge``) and the relay that publishes the outbox to it, ``relay.relay_tick``;
+- lock an entity: ``locks.entity_lock_acquire``, ``entity_locks_acquire``,
+  ``entity_lock_release`` (``RELEASE_SQL`` inside a statement of the caller's);
+- run a loop: ``loop.run_loop``, ``loop.recorded_run``, ``loop.Heartbeat``,
+  ``loop.StopFlag``, and the one retry rule for database errors (``loop.Backoff``,
+  ``loop.with_db_retry``);
+- wake a loop: ``wakeup.notify`` and ``wakeup.Listener`` (PostgreSQL LISTEN/NOTIFY);
+- ids, raw SQL and crash points: ``ids.uuid7``, ``sql.bound_cursor``,
+  ``faults.crash_point``.
+
+Its models (the outbox, the database broker's queue, entity locks and loop runs) are
+this app's (label ``trusty_jobs``) and keep their tables' names.
+
+Nothing here imports the products' modules (``deliveries``' models, state machine and
+services, or ``ingest``); only the package's settings (``deliveries.conf``) and tracing.
+The kinds register themselves from their AppConfig.ready. (Modules are imported by
+name; this package's ``__init__`` imports nothing, as Django loads it before the models
+are ready.)
+"""

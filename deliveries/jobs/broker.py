@@ -1,0 +1,332 @@
+"""Queue transport behind django-q2's broker interface.
+
+``DatabaseBroker`` is the default: a queue table in the service's own database. A take
+locks a batch (``FOR UPDATE SKIP LOCKED`` on PostgreSQL) and settles it in the caller's
+transaction: the messages the caller has spent are deleted, the rest hidden for the
+visibility timeout, to be acknowledged (deleted) once processed. The workers spend a
+delivery's message in the transaction that leases the delivery, since from then on the
+lease is its record; django-q2's ``dequeue`` hides every message. The table only ever
+holds live messages. On SQLite the same statements run inside IMMEDIATE transactions,
+which serialise them. (django-q2's own ORM broker claims one row at a time with no SKIP
+LOCKED and no index, hence this class.)
+
+Any other ``django_q.brokers.Broker`` works too (``QUEUE_BROKER_CLASS``), e.g. django-q2's
+Redis broker. A broker without acknowledgements loses the messages a killed worker held;
+the scheduler's lost-dispatch sweep (``SCHEDULER_STALE_ENQUEUED_SECONDS``) recovers those
+deliveries, so they are late, never lost.
+
+The same broker class serves two queues that never share a key: the pipeline's
+(``QUEUE_NAME``: relay to workers, ``get_broker()``) and django-q2's own (its cluster's name,
+``TASKS_QUEUE_NAME``: a ``qcluster`` running the maintenance schedules). Each side reads
+only its own, so neither takes a message it cannot read: a qcluster would delete a
+delivery message it failed to unpickle, and a worker would hide a django-q2 task.
+"""
+
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connection, transaction
+from django.db.models import F
+from django.utils import timezone
+from django.utils.module_loading import import_string
+from django_q.brokers import Broker
+from django_q.brokers.redis_broker import Redis
+from django_q.conf import Conf
+
+from deliveries.conf import settings
+
+from . import wakeup
+from .models import QueueMessage
+from .sql import bound_cursor
+
+# The queue message format. Writers write MESSAGE_VERSION; readers read every version in
+# READABLE_VERSIONS, because a queue drains across deploys: a message written by the
+# previous release may be read by this one (docs/compatibility.md keeps the matrix).
+#   1: {"d": job id hex, "n": dispatch, "p": priority, "k"?: kind}  (no "v" key)
+#   2: version 1 + "v": 2 and "tp"?: a W3C traceparent (deliveries/tracing.py)
+MESSAGE_VERSION = 2
+READABLE_VERSIONS = frozenset({1, 2})
+
+
+class UnreadableMessage(ValueError):
+    """A message this release cannot read: a newer format (a rollback left it in the
+    queue) or garbage. The worker leaves it unacknowledged for a release that can."""
+
+
+@dataclass(frozen=True)
+class Message:
+    """A dispatch of one job (a delivery, unless ``kind`` says otherwise), as carried by
+    the broker. Only ids travel: the job's state lives in the database."""
+
+    job_id: uuid.UUID
+    dispatch: int
+    priority: int = 0
+    kind: str = "delivery"
+    traceparent: str = ""
+    version: int = MESSAGE_VERSION
+
+    def encode(self) -> str:
+        data = {"v": MESSAGE_VERSION, "d": self.job_id.hex, "n": self.dispatch, "p": self.priority}
+        if self.kind != "delivery":
+            data["k"] = self.kind
+        if self.traceparent:
+            data["tp"] = self.traceparent
+        return json.dumps(data)
+
+    @classmethod
+    def decode(cls, payload: str | bytes) -> "Message":
+        try:
+            data = json.loads(payload)
+            version = int(data.get("v", 1))
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise UnreadableMessage(f"not a queue message: {exc}") from exc
+        if version not in READABLE_VERSIONS:
+            raise UnreadableMessage(f"message format version {version} is not readable here")
+        try:
+            return cls(
+                uuid.UUID(data["d"]),
+                int(data["n"]),
+                int(data.get("p", 0)),
+                data.get("k", "delivery"),
+                str(data.get("tp", "")) if version >= 2 else "",
+                version,
+            )
+        except (KeyError, ValueError, TypeError) as exc:
+            raise UnreadableMessage(f"version {version} message without {exc}") from exc
+
+
+# A take, in the caller's transaction: lock visible messages of a queue, highest priority
+# first (the index queue_visible), skipping those another take holds...
+_LOCK_SQL = """
+SELECT id, payload FROM deliveries_queuemessage WHERE queue = %s AND visible_at <= %s
+ORDER BY priority DESC, visible_at LIMIT %s FOR UPDATE SKIP LOCKED
+"""
+
+# ...then settle them: delete the spent, hide the rest for the visibility timeout. A
+# spent message never gets a second row version: a delivery's message costs the queue an
+# insert and a delete.
+_SETTLE_SQL = """
+WITH spent AS (DELETE FROM deliveries_queuemessage WHERE id = ANY(%(spent)b::bigint[]))
+UPDATE deliveries_queuemessage SET visible_at = %(until)s, receives = receives + 1
+WHERE id = ANY(%(hidden)b::bigint[])
+"""
+
+
+# The payloads travel as one JSON array of strings, not as a text[] parameter: psycopg
+# builds an array literal in Python, quoting and escaping every element (about 7 µs for
+# a message's JSON), where json.dumps of the list is one C call.
+_ENQUEUE_SQL = """
+INSERT INTO deliveries_queuemessage (queue, payload, priority, visible_at, receives, created_at)
+SELECT %s, m.payload, p.priority, %s, 0, %s
+FROM json_array_elements_text(%s::json) WITH ORDINALITY AS m(payload, i)
+JOIN unnest(%b::int[]) WITH ORDINALITY AS p(priority, i) USING (i)
+ORDER BY i
+RETURNING id
+"""
+
+
+# The ids travel as one array parameter (bound_cursor), not quoted one by one.
+_ACKNOWLEDGE_SQL = "DELETE FROM deliveries_queuemessage WHERE id = ANY(%b::bigint[])"
+
+
+class DatabaseBroker(Broker):
+    """django-q2 broker on the service's database, with batch claims and batch acks."""
+
+    @staticmethod
+    def get_connection(list_key: str | None = None) -> int:
+        return 0
+
+    def _visibility(self) -> timedelta:
+        return timedelta(seconds=settings.QUEUE_VISIBILITY_TIMEOUT)
+
+    def enqueue(self, task: str) -> int:
+        return self.enqueue_many([task], priorities=[0])[0]
+
+    def enqueue_many(self, tasks: Sequence[str], *, priorities: Sequence[int]) -> list[int]:
+        now = timezone.now()
+        if connection.vendor == "postgresql":
+            with bound_cursor() as cursor:
+                cursor.execute(
+                    _ENQUEUE_SQL, [self.list_key, now, now, json.dumps(tasks), list(priorities)]
+                )
+                ids = [r[0] for r in cursor.fetchall()]
+            wakeup.notify(wakeup.QUEUE)
+            return ids
+        rows = QueueMessage.objects.bulk_create(
+            [
+                QueueMessage(
+                    queue=self.list_key, payload=task, priority=p, visible_at=now, created_at=now
+                )
+                for task, p in zip(tasks, priorities, strict=True)
+            ]
+        )
+        return [r.id for r in rows]
+
+    def dequeue(self, limit: int | None = None) -> list[tuple[int, str]]:
+        """Take up to ``limit`` visible messages, highest priority first, and hide them
+        for the visibility timeout. An unacknowledged message becomes visible again.
+
+        django-q2's pusher calls this in a loop with no limit: on an empty queue that
+        call waits the cluster's poll interval (``Q_CLUSTER["poll"]``, as django-q2's own
+        ORM broker does), so an idle qcluster does not spin on the database."""
+        with transaction.atomic(savepoint=False):
+            rows = self.lock(limit or settings.WORKER_BATCH_SIZE)
+            self.settle(spent=[], hidden=[r[0] for r in rows])
+        if not rows and limit is None:
+            time.sleep(Conf.POLL)
+        return rows
+
+    def lock(self, limit: int) -> list[tuple[int, str]]:
+        """The first half of a take, inside the caller's transaction: up to ``limit``
+        visible messages, highest priority first, locked until ``settle`` and the commit
+        (other takes skip them). A rollback leaves them as they were, visible at once."""
+        if not connection.in_atomic_block:
+            raise RuntimeError("a take runs inside a transaction")
+        if connection.vendor == "postgresql":
+            with bound_cursor() as cursor:
+                cursor.execute(_LOCK_SQL, [self.list_key, timezone.now(), limit])
+                return cursor.fetchall()
+        # SQLite: the IMMEDIATE transaction holds the write lock; nobody else takes.
+        return list(
+            QueueMessage.objects.filter(queue=self.list_key, visible_at__lte=timezone.now())
+            .order_by("-priority", "visible_at")
+            .values_list("id", "payload")[:limit]
+        )
+
+    def settle(self, *, spent: Sequence[int], hidden: Sequence[int]) -> None:
+        """The second half of a take: delete the ``spent`` messages (the caller has
+        recorded what they asked for in the same transaction) and hide the others for the
+        visibility timeout, to be acknowledged when processed."""
+        if not spent and not hidden:
+            return
+        until = timezone.now() + self._visibility()
+        if connection.vendor == "postgresql":
+            with bound_cursor() as cursor:
+                cursor.execute(
+                    _SETTLE_SQL, {"spent": list(spent), "hidden": list(hidden), "until": until}
+                )
+            return
+        if spent:
+            QueueMessage.objects.filter(id__in=list(spent)).delete()
+        if hidden:
+            QueueMessage.objects.filter(id__in=list(hidden)).update(
+                visible_at=until, receives=F("receives") + 1
+            )
+
+    def acknowledge(self, task_id: int) -> None:
+        self.acknowledge_many([task_id])
+
+    def acknowledge_many(self, task_ids: Sequence[int]) -> None:
+        if connection.vendor == "postgresql":
+            with bound_cursor() as cursor:
+                cursor.execute(_ACKNOWLEDGE_SQL, [list(task_ids)])
+            return
+        QueueMessage.objects.filter(id__in=list(task_ids)).delete()
+
+    def fail(self, task_id: int) -> None:
+        self.acknowledge(task_id)
+
+    def delete(self, task_id: int) -> None:
+        self.acknowledge(task_id)
+
+    def queue_size(self) -> int:
+        return QueueMessage.objects.filter(
+            queue=self.list_key, visible_at__lte=timezone.now()
+        ).count()
+
+    def lock_size(self) -> int:
+        return QueueMessage.objects.filter(
+            queue=self.list_key, visible_at__gt=timezone.now()
+        ).count()
+
+    def purge_queue(self) -> None:
+        QueueMessage.objects.filter(queue=self.list_key).delete()
+
+    def delete_queue(self) -> None:
+        self.purge_queue()
+
+    def ping(self) -> bool:
+        QueueMessage.objects.filter(queue=self.list_key).exists()
+        return True
+
+    def info(self) -> str:
+        return "database"
+
+
+def get_broker() -> Broker:
+    """The pipeline's broker: ``QUEUE_BROKER_CLASS`` on the queue ``QUEUE_NAME``. Never
+    django-q2's default (its cluster's queue), which a qcluster reads."""
+    if shares_tasks_queue():
+        raise ImproperlyConfigured(QUEUES_SHARED)
+    # Built from the app's own setting, not django-q2's Q_CLUSTER["broker_class"] (the
+    # host's, which a host may not have: django-q2 would then pick Redis).
+    return import_string(settings.QUEUE_BROKER_CLASS)(list_key=settings.QUEUE_NAME)
+
+
+QUEUES_SHARED = (
+    "QUEUE_NAME (the pipeline's queue) must differ from django-q2's cluster name "
+    "(TASKS_QUEUE_NAME, Q_CLUSTER['name'] or Q_CLUSTER_NAME): a qcluster would take and "
+    "delete delivery messages, and the workers would hide its tasks."
+)
+
+
+def tasks_queue_name() -> str:
+    """django-q2's cluster queue as django-q2 reads it (``Q_CLUSTER`` at start-up, or the
+    ``Q_CLUSTER_NAME`` environment variable; ``"default"`` for a host without either)."""
+    return Conf.CLUSTER_NAME
+
+
+def shares_tasks_queue() -> bool:
+    """Whether the pipeline's queue is django-q2's (its cluster name now, or as the
+    host's ``Q_CLUSTER`` names it)."""
+    named = getattr(settings, "Q_CLUSTER", {}).get("name")
+    return settings.QUEUE_NAME in {tasks_queue_name(), named}
+
+
+# Uniform batch operations over any django-q2 broker: ours and django-q2's Redis broker
+# batch (a page or a batch is one round trip), others go one message at a time.
+
+
+def publish(b: Broker, messages: Sequence[Message]) -> None:
+    if not messages:
+        return
+    if hasattr(b, "enqueue_many"):
+        b.enqueue_many([m.encode() for m in messages], priorities=[m.priority for m in messages])
+    elif isinstance(b, Redis):
+        # django-q2's enqueue is one RPUSH per message; one RPUSH takes them all.
+        b.connection.rpush(b.list_key, *(m.encode() for m in messages))
+    else:
+        for m in messages:
+            b.enqueue(m.encode())
+
+
+def receive(b: Broker, limit: int) -> list[tuple[object, str]]:
+    if isinstance(b, DatabaseBroker):
+        return b.dequeue(limit)
+    got = b.dequeue() or []
+    if isinstance(b, Redis) and got and limit > len(got):
+        # django-q2's dequeue pops one message (BLPOP, waiting up to a second for it); the
+        # rest of the batch is what is already queued, taken at once (LRANGE and LTRIM in
+        # one MULTI: any Redis version, and no other consumer gets the same messages).
+        pipe = b.connection.pipeline()
+        pipe.lrange(b.list_key, 0, limit - len(got) - 1)
+        pipe.ltrim(b.list_key, limit - len(got), -1)
+        more, _ = pipe.execute()
+        got += [(None, payload) for payload in more]
+    return [(task_id, p.decode() if isinstance(p, bytes) else p) for task_id, p in got]
+
+
+def acknowledge(b: Broker, task_ids: Sequence[object]) -> None:
+    ids = [t for t in task_ids if t is not None]
+    if not ids:
+        return
+    if hasattr(b, "acknowledge_many"):
+        b.acknowledge_many(ids)
+    else:
+        for task_id in ids:
+            b.acknowledge(task_id)
