@@ -35,7 +35,6 @@ from django.db.models import F
 from django.utils import timezone
 from django.utils.module_loading import import_string
 from django_q.brokers import Broker
-from django_q.brokers.redis_broker import Redis
 from django_q.conf import Conf
 
 from deliveries.conf import settings
@@ -43,6 +42,16 @@ from deliveries.conf import settings
 from . import wakeup
 from .models import QueueMessage
 from .sql import bound_cursor
+
+# For isinstance() alone. django-q2's Redis broker imports redis, an optional extra
+# (trusty-webhooks[redis]): without it no Redis broker can exist, and nothing is one.
+try:
+    from django_q.brokers.redis_broker import Redis
+except ImportError:
+
+    class Redis:
+        pass
+
 
 # The queue message format. Writers write MESSAGE_VERSION; readers read every version in
 # READABLE_VERSIONS, because a queue drains across deploys: a message written by the
