@@ -1,4 +1,5 @@
-"""The hot path's raw SQL runs through this cursor.
+"""The hot path's raw SQL: the cursor it runs through, and ``Statement``, the one place
+where a statement's PostgreSQL and SQLite spellings part.
 
 Django's psycopg backend binds parameters on the client (psycopg's ``ClientCursor``),
 which quotes every element of a 200-id array into the query text in Python. The claim,
@@ -15,7 +16,7 @@ from contextlib import contextmanager
 from functools import partial
 
 import psycopg
-from django.db import connection
+from django.db import NotSupportedError, connection
 
 
 @contextmanager
@@ -29,6 +30,48 @@ def bound_cursor():
     connection.ensure_connection()
     with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cursor:
         yield cursor
+
+
+class Statement:
+    """One statement of the hot path, defined once by name in its component's
+    ``queries`` module: its PostgreSQL text, run through ``bound_cursor``, and beside it
+    (``@STATEMENT.elsewhere``) the same effect written with the ORM for the other
+    databases (SQLite). Calling the statement picks the spelling for the connection's
+    database: this is the one place where the two differ.
+
+    ``returns`` says what a call gives back, whichever spelling ran: ``"rows"`` (a list
+    of tuples), ``"row"`` (one tuple or None), ``"count"`` (rows changed) or ``"nothing"``.
+    The ORM spelling takes the same parameters and gives back the same shape."""
+
+    RETURNS = ("rows", "row", "count", "nothing")
+
+    def __init__(self, sql: str, *, returns: str = "rows", binary: bool = False) -> None:
+        if returns not in self.RETURNS:
+            raise ValueError(f"returns must be one of {self.RETURNS}")
+        self.sql = sql
+        self.returns = returns
+        self.binary = binary  # results in binary format (bytea without hex encoding)
+        self.portable = None
+
+    def elsewhere(self, portable):
+        """Decorator: the ORM spelling, for every database but PostgreSQL."""
+        self.portable = portable
+        return portable
+
+    def __call__(self, params=None):
+        if connection.vendor != "postgresql":
+            if self.portable is None:
+                raise NotSupportedError("this statement has a PostgreSQL spelling only")
+            return self.portable(params)
+        with bound_cursor() as cursor:
+            cursor.execute(self.sql, params, binary=self.binary)
+            if self.returns == "rows":
+                return cursor.fetchall()
+            if self.returns == "row":
+                return cursor.fetchone()
+            if self.returns == "count":
+                return cursor.rowcount
+            return None
 
 
 _SET_COMPRESSION = """
