@@ -11,14 +11,14 @@ service's tables and indexes, and nothing else:
 * ``scheduler``: one scan of due rows (``state._SCAN_DUE_SQL``, nothing left out) and
   one ``state._ENQUEUE_SQL`` (pending → enqueued and an outbox row each) per page;
   no ceilings, no fairness, no in-flight count, no sweeps;
-* ``relay``: in one transaction, ``relay._OUTBOX_PAGE_SQL`` marking the page published
-  and the broker's ``_ENQUEUE_SQL`` (the database broker's publication and its record
-  commit together, as the service's relay does);
+* ``relay``: in one transaction, ``queries.PUBLISH_OUTBOX_PAGE`` marking the page
+  published and ``queries.ENQUEUE_MESSAGES`` (the database broker's publication and its
+  record commit together, as the service's relay does);
 * ``worker`` (one process per core, lanes of one asyncio connection each): in one
-  transaction the broker's ``_LOCK_SQL``, ``state._LEASE_SQL`` and the broker's
-  ``_SETTLE_SQL`` spending the messages (the service's take); a signed POST per delivery
-  through one bare ``aiohttp.ClientSession`` (no egress checks); then in one
-  transaction the attempts by COPY and ``state._SUCCEED_SQL``. No ceilings, no rate
+  transaction ``queries.LOCK_MESSAGES``, ``state._LEASE_SQL`` and
+  ``queries.SETTLE_MESSAGES`` spending the messages (the service's take); a signed POST
+  per delivery through one bare ``aiohttp.ClientSession`` (no egress checks); then in
+  one transaction the attempts by COPY and ``state._SUCCEED_SQL``. No ceilings, no rate
   limits, no retries (any answer but 200 stops the run), no metrics, no logs.
 
 So the service's distance to this floor is what its Python costs (Django, the thread
@@ -111,12 +111,12 @@ def run_relay(page: int) -> None:
     import psycopg
     from django.conf import settings
 
-    from deliveries.jobs import broker, relay
+    from deliveries.jobs import broker, queries
 
     queue = settings.QUEUE_NAME
     with psycopg.connect(connect_url(), autocommit=True) as conn:
         register(conn, "floor-relay")
-        take = relay._OUTBOX_PAGE_SQL.format(column="published_at")
+        take = queries.PUBLISH_OUTBOX_PAGE.sql
         while True:
             with conn.transaction():
                 t = now()
@@ -124,7 +124,7 @@ def run_relay(page: int) -> None:
                 if rows:
                     tasks = [broker.Message(r[1], r[2], r[3], r[4]).encode() for r in rows]
                     conn.execute(
-                        broker._ENQUEUE_SQL,
+                        queries.ENQUEUE_MESSAGES.sql,
                         [queue, t, t, json.dumps(tasks), [r[3] for r in rows]],
                     )
             if not rows:
@@ -144,12 +144,12 @@ def take_steps(queue: str, batch: int):
     service's worker does with the database broker: (leased, token), or None when the
     queue is empty."""
     from deliveries import state
-    from deliveries.jobs import broker
+    from deliveries.jobs import broker, queries
 
     t = now()
     until = t + timedelta(seconds=60)
     yield ("query", "BEGIN", None)
-    taken = yield ("query", broker._LOCK_SQL, [queue, t, batch])
+    taken = yield ("query", queries.LOCK_MESSAGES.sql, [queue, t, batch])
     if not taken:
         yield ("query", "COMMIT", None)
         return None
@@ -164,7 +164,7 @@ def take_steps(queue: str, batch: int):
     }
     leased = yield ("binary", state._LEASE_SQL, params)
     spent = {"spent": [r[0] for r in taken], "hidden": [], "until": until}
-    yield ("query", broker._SETTLE_SQL, spent)
+    yield ("query", queries.SETTLE_MESSAGES.sql, spent)
     yield ("query", "COMMIT", None)
     return leased, token
 

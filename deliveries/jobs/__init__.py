@@ -17,6 +17,9 @@ each keeps its own table and state rules, and uses only this interface:
 - ids, raw SQL and crash points: ``ids.uuid7``, ``sql.bound_cursor``,
   ``faults.crash_point``.
 
+Its own fast-path statements (the broker's, the locks' and the relay's) are in
+``queries``, each once by name with its ORM spelling beside it (``sql.Statement``).
+
 Its models (the outbox, the database broker's queue, entity locks and loop runs) are
 this app's (label ``trusty_jobs``) and keep their tables' names.
 

@@ -31,7 +31,6 @@ from datetime import timedelta
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, transaction
-from django.db.models import F
 from django.utils import timezone
 from django.utils.module_loading import import_string
 from django_q.brokers import Broker
@@ -41,7 +40,7 @@ from deliveries.conf import settings
 
 from . import wakeup
 from .models import QueueMessage
-from .sql import bound_cursor
+from .queries import ACKNOWLEDGE_MESSAGES, ENQUEUE_MESSAGES, LOCK_MESSAGES, SETTLE_MESSAGES
 
 # For isinstance() alone. django-q2's Redis broker imports redis, an optional extra
 # (trusty-webhooks[redis]): without it no Redis broker can exist, and nothing is one.
@@ -109,40 +108,6 @@ class Message:
             raise UnreadableMessage(f"version {version} message without {exc}") from exc
 
 
-# A take, in the caller's transaction: lock visible messages of a queue, highest priority
-# first (the index queue_visible), skipping those another take holds...
-_LOCK_SQL = """
-SELECT id, payload FROM deliveries_queuemessage WHERE queue = %s AND visible_at <= %s
-ORDER BY priority DESC, visible_at LIMIT %s FOR UPDATE SKIP LOCKED
-"""
-
-# ...then settle them: delete the spent, hide the rest for the visibility timeout. A
-# spent message never gets a second row version: a delivery's message costs the queue an
-# insert and a delete.
-_SETTLE_SQL = """
-WITH spent AS (DELETE FROM deliveries_queuemessage WHERE id = ANY(%(spent)b::bigint[]))
-UPDATE deliveries_queuemessage SET visible_at = %(until)s, receives = receives + 1
-WHERE id = ANY(%(hidden)b::bigint[])
-"""
-
-
-# The payloads travel as one JSON array of strings, not as a text[] parameter: psycopg
-# builds an array literal in Python, quoting and escaping every element (about 7 µs for
-# a message's JSON), where json.dumps of the list is one C call.
-_ENQUEUE_SQL = """
-INSERT INTO deliveries_queuemessage (queue, payload, priority, visible_at, receives, created_at)
-SELECT %s, m.payload, p.priority, %s, 0, %s
-FROM json_array_elements_text(%s::json) WITH ORDINALITY AS m(payload, i)
-JOIN unnest(%b::int[]) WITH ORDINALITY AS p(priority, i) USING (i)
-ORDER BY i
-RETURNING id
-"""
-
-
-# The ids travel as one array parameter (bound_cursor), not quoted one by one.
-_ACKNOWLEDGE_SQL = "DELETE FROM deliveries_queuemessage WHERE id = ANY(%b::bigint[])"
-
-
 class DatabaseBroker(Broker):
     """django-q2 broker on the service's database, with batch claims and batch acks."""
 
@@ -158,23 +123,9 @@ class DatabaseBroker(Broker):
 
     def enqueue_many(self, tasks: Sequence[str], *, priorities: Sequence[int]) -> list[int]:
         now = timezone.now()
-        if connection.vendor == "postgresql":
-            with bound_cursor() as cursor:
-                cursor.execute(
-                    _ENQUEUE_SQL, [self.list_key, now, now, json.dumps(tasks), list(priorities)]
-                )
-                ids = [r[0] for r in cursor.fetchall()]
-            wakeup.notify(wakeup.QUEUE)
-            return ids
-        rows = QueueMessage.objects.bulk_create(
-            [
-                QueueMessage(
-                    queue=self.list_key, payload=task, priority=p, visible_at=now, created_at=now
-                )
-                for task, p in zip(tasks, priorities, strict=True)
-            ]
-        )
-        return [r.id for r in rows]
+        rows = ENQUEUE_MESSAGES([self.list_key, now, now, json.dumps(tasks), list(priorities)])
+        wakeup.notify(wakeup.QUEUE)  # PostgreSQL only: elsewhere the workers poll
+        return [r[0] for r in rows]
 
     def dequeue(self, limit: int | None = None) -> list[tuple[int, str]]:
         """Take up to ``limit`` visible messages, highest priority first, and hide them
@@ -196,16 +147,7 @@ class DatabaseBroker(Broker):
         (other takes skip them). A rollback leaves them as they were, visible at once."""
         if not connection.in_atomic_block:
             raise RuntimeError("a take runs inside a transaction")
-        if connection.vendor == "postgresql":
-            with bound_cursor() as cursor:
-                cursor.execute(_LOCK_SQL, [self.list_key, timezone.now(), limit])
-                return cursor.fetchall()
-        # SQLite: the IMMEDIATE transaction holds the write lock; nobody else takes.
-        return list(
-            QueueMessage.objects.filter(queue=self.list_key, visible_at__lte=timezone.now())
-            .order_by("-priority", "visible_at")
-            .values_list("id", "payload")[:limit]
-        )
+        return LOCK_MESSAGES([self.list_key, timezone.now(), limit])
 
     def settle(self, *, spent: Sequence[int], hidden: Sequence[int]) -> None:
         """The second half of a take: delete the ``spent`` messages (the caller has
@@ -214,28 +156,13 @@ class DatabaseBroker(Broker):
         if not spent and not hidden:
             return
         until = timezone.now() + self._visibility()
-        if connection.vendor == "postgresql":
-            with bound_cursor() as cursor:
-                cursor.execute(
-                    _SETTLE_SQL, {"spent": list(spent), "hidden": list(hidden), "until": until}
-                )
-            return
-        if spent:
-            QueueMessage.objects.filter(id__in=list(spent)).delete()
-        if hidden:
-            QueueMessage.objects.filter(id__in=list(hidden)).update(
-                visible_at=until, receives=F("receives") + 1
-            )
+        SETTLE_MESSAGES({"spent": list(spent), "hidden": list(hidden), "until": until})
 
     def acknowledge(self, task_id: int) -> None:
         self.acknowledge_many([task_id])
 
     def acknowledge_many(self, task_ids: Sequence[int]) -> None:
-        if connection.vendor == "postgresql":
-            with bound_cursor() as cursor:
-                cursor.execute(_ACKNOWLEDGE_SQL, [list(task_ids)])
-            return
-        QueueMessage.objects.filter(id__in=list(task_ids)).delete()
+        ACKNOWLEDGE_MESSAGES([list(task_ids)])
 
     def fail(self, task_id: int) -> None:
         self.acknowledge(task_id)

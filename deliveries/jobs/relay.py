@@ -6,8 +6,7 @@ transaction."""
 from dataclasses import replace
 from datetime import timedelta
 
-from django.db import connection, transaction
-from django.db.models import Q
+from django.db import transaction
 from django.utils import timezone
 
 from deliveries import tracing
@@ -17,7 +16,7 @@ from . import broker, kinds
 from .faults import crash_point
 from .loop import Tick
 from .models import Outbox
-from .sql import bound_cursor
+from .queries import CLAIM_OUTBOX_PAGE, MARK_PUBLISHED, PUBLISH_OUTBOX_PAGE
 
 
 def relay_tick(*, page_size: int | None = None, b=None) -> Tick:
@@ -39,15 +38,15 @@ def relay_tick(*, page_size: int | None = None, b=None) -> Tick:
     tick = Tick()
     if isinstance(b, broker.DatabaseBroker):
         with transaction.atomic():
-            rows = _outbox_page(now, page_size, "published_at", now)
+            rows = _page(PUBLISH_OUTBOX_PAGE, now, page_size, now)
             if rows:
                 _publish_page(b, rows)
     else:
         until = now + timedelta(seconds=settings.RELAY_CLAIM_SECONDS)
-        rows = _outbox_page(now, page_size, "claimed_until", until)
+        rows = _page(CLAIM_OUTBOX_PAGE, now, page_size, until)
         if rows:
             _publish_page(b, rows)
-            _mark_published([r[0] for r in rows], timezone.now())
+            MARK_PUBLISHED([timezone.now(), [r[0] for r in rows]])
     if not rows:
         tick.idle = not Outbox.objects.filter(published_at__isnull=True).exists()
         return tick
@@ -55,6 +54,12 @@ def relay_tick(*, page_size: int | None = None, b=None) -> Tick:
     tick.busy = len(rows) >= page_size
     tick.soon = True
     return tick
+
+
+def _page(statement, now, page_size: int, value) -> list[tuple]:
+    """(id, ref_id, dispatch, priority, kind) of the page, oldest first (RETURNING has no
+    order); ``value`` is what ``statement`` sets: the claim's end, or the time."""
+    return sorted(statement({"value": value, "now": now, "limit": page_size}))
 
 
 def _publish_page(b, rows: list[tuple]) -> None:
@@ -97,56 +102,3 @@ def _relay_spans(messages: list) -> dict:
         for m in messages
         if m.job_id in contexts
     }
-
-
-# One page of unpublished rows that no relay holds a claim on, oldest first, locked so
-# that relays divide the work, with one column set: claimed_until (the claim of a relay
-# publishing to a broker outside the database), or published_at (the database broker's
-# page, marked inside the transaction that inserts its messages). The inner SELECT uses
-# the partial index outbox_unpublished.
-_OUTBOX_PAGE_SQL = """
-UPDATE deliveries_outbox SET {column} = %(value)s
-WHERE id IN (
-    SELECT id FROM deliveries_outbox
-    WHERE published_at IS NULL AND (claimed_until IS NULL OR claimed_until < %(now)s)
-    ORDER BY id LIMIT %(limit)s FOR UPDATE SKIP LOCKED
-)
-RETURNING id, ref_id, dispatch, priority, kind
-"""
-
-
-def _outbox_page(now, page_size: int, column: str, value) -> list[tuple]:
-    """(id, ref_id, dispatch, priority, kind) of the page, oldest first; ``column`` is
-    ``claimed_until`` or ``published_at``."""
-    if connection.vendor == "postgresql":
-        with bound_cursor() as cursor:
-            cursor.execute(
-                _OUTBOX_PAGE_SQL.format(column=column),
-                {"value": value, "now": now, "limit": page_size},
-            )
-            return sorted(cursor.fetchall())
-    with transaction.atomic():
-        rows = list(
-            Outbox.objects.filter(published_at__isnull=True)
-            .filter(Q(claimed_until__isnull=True) | Q(claimed_until__lt=now))
-            .order_by("id")
-            .values_list("id", "ref_id", "dispatch", "priority", "kind")[:page_size]
-        )
-        Outbox.objects.filter(id__in=[r[0] for r in rows]).update(**{column: value})
-    return rows
-
-
-_MARK_PUBLISHED_SQL = """
-UPDATE deliveries_outbox SET published_at = %s
-WHERE id = ANY(%b::bigint[]) AND published_at IS NULL
-"""
-
-
-def _mark_published(ids: list[int], now) -> None:
-    """The ids travel as one array parameter on PostgreSQL (the ORM's IN list of a
-    2,000-row page cost more Python than the rest of the relay's page)."""
-    if connection.vendor == "postgresql":
-        with bound_cursor() as cursor:
-            cursor.execute(_MARK_PUBLISHED_SQL, [now, ids])
-        return
-    Outbox.objects.filter(id__in=ids, published_at__isnull=True).update(published_at=now)
