@@ -31,18 +31,12 @@ from django.db import (
 )
 from django.db.models import F
 from django.utils import timezone
+from psycopg.types.json import Jsonb
 
 from deliveries import encryption, ratelimit
 from deliveries.jobs.broker import Message
-from deliveries.jobs.ids import UUID7_SQL, uuid7
-from deliveries.jobs.locks import (
-    RELEASE_SQL,
-    entity_lock_acquire,
-    entity_lock_release,
-    entity_locks_acquire,
-)
-from deliveries.jobs.outbox import outbox_insert_sql, outbox_write
-from deliveries.jobs.sql import bound_cursor
+from deliveries.jobs.ids import uuid7
+from deliveries.jobs.locks import entity_lock_acquire, entity_lock_release, entity_locks_acquire
 from deliveries.policy import RetryPolicy
 from deliveries.prometheus import (
     INBOUND_HANDLER_DURATION,
@@ -56,7 +50,6 @@ from ingest.conf import settings
 
 from .handlers import ParsedEvent, handlers_for
 from .models import (
-    EntityVersion,
     HandlerRun,
     InboundEvent,
     InboundState,
@@ -64,12 +57,21 @@ from .models import (
     SourceSecret,
     VerificationFailure,
 )
+from .queries import (
+    ADVANCE_VERSION,
+    COMPLETE,
+    INSERT_EVENT,
+    INSERT_EVENTS,
+    KIND,
+    LEASE,
+    LOCK_VERSIONS,
+    write_outbox,
+)
 from .schemes import Request, UnparseableBody, VerificationFailed, get_scheme
 from .signals import inbound_event_stored
 
 logger = logging.getLogger("ingest")
 
-KIND = "inbound"
 # Headers never stored with an event: credentials and signatures.
 SECRET_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization", "x-api-key"})
 SIGNATURE_WORDS = ("signature", "hmac", "token", "secret")
@@ -324,11 +326,9 @@ def _insert(
         "dispatch_count": 1 if state == InboundState.ENQUEUED else 0,
         "enqueued_at": now if state == InboundState.ENQUEUED else None,
     }
-    if connection.vendor == "postgresql":
-        inserted = _insert_postgres(fields, now, with_job=state == InboundState.ENQUEUED)
-    else:
-        inserted = _insert_portable(fields, now, with_job=state == InboundState.ENQUEUED)
-    if inserted:
+    with_job = state == InboundState.ENQUEUED
+    params = {**fields, "headers": Jsonb(fields["headers"]), "now": now, "with_job": with_job}
+    if _insert_event(params):
         if state == InboundState.ENQUEUED:
             send_after_commit(inbound_event_stored, InboundEvent, [fields["id"]])
         return fields["id"], False
@@ -340,61 +340,22 @@ def _insert(
     return found, True
 
 
-# The event and its processing job in one statement: insert-or-nothing on
-# UNIQUE(source, event_id) and on the partial UNIQUE(source, body_sha256) (no conflict
-# target: either key makes a copy; a concurrent copy waits for the first and then
-# inserts nothing), and the outbox row only for an event actually inserted.
-_INSERT_SQL = """
-WITH new AS (
-    INSERT INTO ingest_inboundevent (id, source_id, event_id, body_sha256, event_type,
-        entity_id, occurred_at, body, headers, state, received_at, duplicates,
-        next_attempt_at, attempt_count, dispatch_count, enqueued_at, last_error)
-    VALUES (%(id)s, %(source_id)s, %(event_id)s, %(body_sha256)s, %(event_type)s,
-        %(entity_id)s, %(occurred_at)s, %(body)s, %(headers)s, %(state)s, %(received_at)s,
-        0, %(next_attempt_at)s, 0, %(dispatch_count)s, %(enqueued_at)s, %(last_error)s)
-    ON CONFLICT DO NOTHING
-    RETURNING id
-), job AS (
-    {outbox}
-)
-SELECT count(*) FROM new
-""".replace(
-    "{outbox}",
-    outbox_insert_sql(kind=KIND, source="new", dispatch="1", priority="0", where="%(with_job)s"),
-)
-
-
-def _insert_postgres(fields: dict, now: datetime, *, with_job: bool) -> bool:
-    """One statement in autocommit. It is usually the request's first use of a
-    persistent connection, with no health check before it (the source came from the
-    cache), so a connection the server dropped (a restart) shows up here: the statement
-    is then tried once more on a fresh connection. That is safe because it is
-    idempotent: had the first try committed, the second finds the event and reports a
-    duplicate."""
-    from psycopg.types.json import Jsonb
-
-    params = {**fields, "headers": Jsonb(fields["headers"]), "now": now, "with_job": with_job}
+def _insert_event(params: dict) -> bool:
+    """``INSERT_EVENT``, one statement in autocommit; whether the event was inserted. It
+    is usually the request's first use of a persistent connection, with no health check
+    before it (the source came from the cache), so a connection the PostgreSQL server
+    dropped (a restart) shows up here: the statement is then tried once more on a fresh
+    connection. That is safe because it is idempotent: had the first try committed, the
+    second finds the event and reports a duplicate. A SQLite file has no server to lose:
+    its errors are not retried."""
     for attempt in (1, 2):
         try:
-            with bound_cursor() as cursor:
-                cursor.execute(_INSERT_SQL, params)
-                return cursor.fetchone()[0] == 1
+            return INSERT_EVENT(params)[0] == 1
         except (OperationalError, InterfaceError):
-            if attempt == 2 or connection.in_atomic_block:
+            if attempt == 2 or connection.in_atomic_block or connection.vendor != "postgresql":
                 raise
             connection.close()
     raise AssertionError("unreachable")
-
-
-def _insert_portable(fields: dict, now: datetime, *, with_job: bool) -> bool:
-    try:
-        with transaction.atomic():
-            InboundEvent.objects.create(**fields)
-            if with_job:
-                _write_outbox([fields["id"]], now)
-    except IntegrityError:
-        return False
-    return True
 
 
 @dataclass(frozen=True)
@@ -416,76 +377,22 @@ def inbound_store_many(*, source: Source, events: Sequence[NewEvent]) -> tuple[i
     if not events:
         return 0, 0
     now = timezone.now()
-    if connection.vendor != "postgresql":
-        stored = 0
-        for e in events:
-            _, duplicate = _insert(
-                source,
-                event_id=e.event_id,
-                event_type=e.event_type,
-                entity_id=e.entity_id,
-                occurred_at=e.occurred_at,
-                request=Request(headers={}, body=e.body),
-                now=now,
-                state=InboundState.ENQUEUED,
-            )
-            stored += not duplicate
-        return stored, len(events) - stored
-    with bound_cursor() as cursor:
-        cursor.execute(
-            _INSERT_MANY_SQL,
-            {
-                "event_ids": [e.event_id for e in events],
-                "types": [e.event_type[:200] for e in events],
-                "entities": [e.entity_id[:300] for e in events],
-                "occurred": [e.occurred_at for e in events],
-                "bodies": [e.body for e in events],
-                "source_id": source.id,
-                "now": now,
-            },
-        )
-        new, duplicates = cursor.fetchone()
+    new, duplicates = INSERT_EVENTS(
+        {
+            "event_ids": [e.event_id for e in events],
+            "types": [e.event_type[:200] for e in events],
+            "entities": [e.entity_id[:300] for e in events],
+            "occurred": [e.occurred_at for e in events],
+            "bodies": [e.body for e in events],
+            "source_id": source.id,
+            "now": now,
+        }
+    )
     send_after_commit(inbound_event_stored, InboundEvent, new)
     stored = len(new)
     INBOUND_RECEIVED.labels(source.slug, "false").inc(stored)
     INBOUND_RECEIVED.labels(source.slug, "true").inc(duplicates)
     return stored, duplicates
-
-
-# _INSERT_SQL for a page of events: one statement, arrays bound server-side. The
-# duplicate count comes from the rows that existed before the statement (a data-modifying
-# CTE does not see the rows its siblings insert).
-_INSERT_MANY_SQL = """
-WITH rows AS (
-    SELECT {uuid7} AS id, r.* FROM unnest(%(event_ids)b::text[], %(types)b::text[],
-        %(entities)b::text[], %(occurred)b::timestamptz[], %(bodies)b::bytea[])
-        AS r(event_id, event_type, entity_id, occurred_at, body)
-), new AS (
-    INSERT INTO ingest_inboundevent (id, source_id, event_id, event_type, entity_id,
-        occurred_at, body, headers, state, received_at, duplicates, next_attempt_at,
-        attempt_count, dispatch_count, enqueued_at, last_error)
-    SELECT id, %(source_id)s, event_id, event_type, entity_id, occurred_at, body, '{}',
-        'enqueued', %(now)s, 0, %(now)s, 0, 1, %(now)s, ''
-    FROM rows
-    ON CONFLICT (source_id, event_id) DO NOTHING
-    RETURNING id
-), job AS (
-    {outbox}
-), dup AS (
-    UPDATE ingest_inboundevent e
-    SET duplicates = e.duplicates + 1, last_duplicate_at = %(now)s
-    FROM rows WHERE e.source_id = %(source_id)s AND e.event_id = rows.event_id
-    RETURNING 1
-)
-SELECT (SELECT coalesce(array_agg(id), '{}') FROM new), (SELECT count(*) FROM dup)
-""".replace("{uuid7}", UUID7_SQL).replace(
-    "{outbox}", outbox_insert_sql(kind=KIND, source="new", dispatch="1", priority="0")
-)
-
-
-def _write_outbox(ids: Sequence[uuid.UUID], now: datetime) -> None:
-    dispatches = dict(InboundEvent.objects.filter(id__in=ids).values_list("id", "dispatch_count"))
-    outbox_write(kind=KIND, jobs=[(i, dispatches[i], 0) for i in ids], now=now)
 
 
 # --- Scheduling (run by the scheduler's sweeps) -----------------------------------------
@@ -532,7 +439,7 @@ def inbound_schedule(now: datetime, page_size: int) -> tuple[Counter, bool]:
                 enqueued_at=now,
                 dispatch_count=F("dispatch_count") + 1,
             )
-            _write_outbox(due, now)
+            write_outbox(due, now)
         counts["enqueued"] = len(due)
     return counts, len(due) >= page_size
 
@@ -554,13 +461,13 @@ def inbound_process(messages: Sequence[Message]) -> Counter:
     token = uuid.uuid4()
     wanted = {m.job_id: m.dispatch for m in messages}
     until = now + timedelta(seconds=LOCK_TTL + 30)
+    rows = _lease(wanted, token=token, until=until)
+    counts["skipped_messages"] = len(messages) - len(rows)
+    # Batches are PostgreSQL's (docs/inbound.md): on SQLite every event runs one by one.
     if connection.vendor == "postgresql":
-        rows = _lease_postgres(wanted, token=token, until=until)
-        counts["skipped_messages"] = len(messages) - len(rows)
         leased = _process_batch(rows, token, counts) if rows else []
     else:
-        leased = _lease_portable(wanted, token=token, until=until)
-        counts["skipped_messages"] = len(messages) - len(leased)
+        leased = [r.id for r in rows]
     events = (
         InboundEvent.objects.filter(id__in=leased)
         .select_related("source")
@@ -595,25 +502,6 @@ def _log_processed(event_id, slug, provider_id, event_type, attempt, result, sec
     )
 
 
-# enqueued → processing for the events the messages name (their dispatch only), in one
-# statement that returns what processing reads. Rows another worker is leasing are
-# skipped, not waited for.
-_LEASE_SQL = """
-WITH locked AS (
-    SELECT e.id FROM ingest_inboundevent e
-    JOIN unnest(%(ids)b::uuid[], %(dispatches)b::int[]) AS m(id, dispatch)
-        ON e.id = m.id AND e.dispatch_count = m.dispatch
-    WHERE e.state = 'enqueued'
-    FOR UPDATE OF e SKIP LOCKED
-)
-UPDATE ingest_inboundevent e SET state = 'processing', lease_token = %(token)s,
-    lease_until = %(until)s, attempt_count = e.attempt_count + 1
-FROM locked WHERE e.id = locked.id
-RETURNING e.id, e.source_id, e.event_id, e.event_type, e.entity_id, e.occurred_at, e.body,
-    e.headers, e.attempt_count
-"""
-
-
 class _Leased(NamedTuple):
     id: uuid.UUID
     source_id: uuid.UUID
@@ -626,42 +514,20 @@ class _Leased(NamedTuple):
     attempt: int
 
 
-def _lease_postgres(wanted: dict, *, token, until) -> list[_Leased]:
-    with transaction.atomic(), bound_cursor() as cursor:
-        cursor.execute(
-            _LEASE_SQL,
+def _lease(wanted: dict, *, token, until) -> list[_Leased]:
+    with transaction.atomic():
+        rows = LEASE(
             {
                 "ids": list(wanted),
                 "dispatches": list(wanted.values()),
                 "token": token,
                 "until": until,
-            },
-            binary=True,  # the bodies as raw bytes, not hex text twice their size
+            }
         )
-        return [
-            _Leased(*row[:7], row[7] if isinstance(row[7], dict) else json.loads(row[7]), row[8])
-            for row in cursor.fetchall()
-        ]
-
-
-def _lease_portable(wanted: dict, *, token, until) -> list[uuid.UUID]:
-    with transaction.atomic():
-        leased = [
-            event_id
-            for event_id, dispatch in InboundEvent.objects.filter(
-                id__in=wanted, state=InboundState.ENQUEUED
-            )
-            .select_for_update(skip_locked=True)
-            .values_list("id", "dispatch_count")
-            if wanted[event_id] == dispatch
-        ]
-        InboundEvent.objects.filter(id__in=leased, state=InboundState.ENQUEUED).update(
-            state=InboundState.PROCESSING,
-            lease_token=token,
-            lease_until=until,
-            attempt_count=F("attempt_count") + 1,
-        )
-    return leased
+    return [
+        _Leased(*row[:7], row[7] if isinstance(row[7], dict) else json.loads(row[7]), row[8])
+        for row in rows
+    ]
 
 
 def _entity_key(slug: str, entity_id: str) -> str:
@@ -831,71 +697,34 @@ def _applied_versions(version_keys: list[str]) -> dict[str, datetime]:
     (the entity locks already keep other workers off these keys)."""
     if not version_keys:
         return {}
-    with bound_cursor() as cursor:
-        cursor.execute(
-            "SELECT key, applied_at FROM ingest_entityversion WHERE key = ANY(%(keys)b::text[])"
-            " ORDER BY key FOR UPDATE",
-            {"keys": version_keys},
-        )
-        return dict(cursor.fetchall())
-
-
-# A successful run's bookkeeping in one statement, for one event or a batch: the guarded
-# transitions out of processing (for the lease holder only), every handler run, each
-# entity's version moved to its latest applied event, and the entity locks given back.
-# The caller rolls the whole transaction back unless every event's transition happened.
-_COMPLETE_SQL = """
-WITH done AS (
-    UPDATE ingest_inboundevent e SET state = d.state, lease_until = NULL, lease_token = NULL,
-        last_error = '', processed_at = %(now)s
-    FROM unnest(%(ids)b::uuid[], %(states)b::text[]) AS d(id, state)
-    WHERE e.id = d.id AND e.state = 'processing' AND e.lease_token = %(token)s
-    RETURNING e.id
-), runs AS (
-    INSERT INTO ingest_handlerrun (event_id, handler, attempt, started_at, duration_ms,
-        outcome, error)
-    SELECT r.*, '' FROM unnest(%(run_events)b::uuid[], %(run_handlers)b::text[],
-        %(run_attempts)b::int[], %(run_started)b::timestamptz[], %(run_durations)b::float8[],
-        %(run_outcomes)b::text[]) AS r
-), versions AS (
-    INSERT INTO ingest_entityversion (key, applied_at, event_id)
-    SELECT * FROM unnest(%(version_keys)b::text[], %(version_times)b::timestamptz[],
-        %(version_events)b::uuid[])
-    ON CONFLICT (key) DO UPDATE SET applied_at = EXCLUDED.applied_at,
-        event_id = EXCLUDED.event_id
-    WHERE ingest_entityversion.applied_at <= EXCLUDED.applied_at
-), unlock AS ({release})
-SELECT count(*) FROM done
-""".replace("{release}", RELEASE_SQL.strip())
+    return dict(LOCK_VERSIONS({"keys": version_keys}))
 
 
 def _complete_many(ids, states, runs, versions, lock_keys, token) -> bool:
-    """``_COMPLETE_SQL``: ``runs`` are (event id, handler, attempt, started, duration ms,
+    """``COMPLETE``: ``runs`` are (event id, handler, attempt, started, duration ms,
     outcome), ``versions`` (key, (applied at, event id)); the entity locks ``lock_keys``
     are released if the lease's token owns them. False when a lease was lost."""
     columns = list(zip(*runs, strict=True))  # every event has at least one run row
-    with bound_cursor() as cursor:
-        cursor.execute(
-            _COMPLETE_SQL,
-            {
-                "now": timezone.now(),
-                "ids": ids,
-                "states": states,
-                "token": token,
-                "run_events": list(columns[0]),
-                "run_handlers": list(columns[1]),
-                "run_attempts": list(columns[2]),
-                "run_started": list(columns[3]),
-                "run_durations": list(columns[4]),
-                "run_outcomes": list(columns[5]),
-                "version_keys": [k for k, _ in versions],
-                "version_times": [v[0] for _, v in versions],
-                "version_events": [v[1] for _, v in versions],
-                "lock_keys": lock_keys,
-                "owner": str(token),
-            },
-        )
-        return cursor.fetchone()[0] == len(ids)
+    (done,) = COMPLETE(
+        {
+            "now": timezone.now(),
+            "ids": ids,
+            "states": states,
+            "token": token,
+            "run_events": list(columns[0]),
+            "run_handlers": list(columns[1]),
+            "run_attempts": list(columns[2]),
+            "run_started": list(columns[3]),
+            "run_durations": list(columns[4]),
+            "run_outcomes": list(columns[5]),
+            "version_keys": [k for k, _ in versions],
+            "version_times": [v[0] for _, v in versions],
+            "version_events": [v[1] for _, v in versions],
+            "lock_keys": lock_keys,
+            "owner": str(token),
+        }
+    )
+    return done == len(ids)
 
 
 def _process_one(event: InboundEvent, token: uuid.UUID) -> str:
@@ -994,43 +823,14 @@ class _HandlerFailed(Exception):
         self.row, self.handler, self.started, self.seconds = row, handler, started, seconds
 
 
-# The entity's version moves to this event unless a newer one was applied already, and
-# the row stays locked to the end of the transaction: one statement, where a stale event
-# gets no row back.
-_ADVANCE_VERSION_SQL = """
-INSERT INTO ingest_entityversion (key, applied_at, event_id)
-VALUES (%(key)s, %(applied_at)s, %(event_id)s)
-ON CONFLICT (key) DO UPDATE SET applied_at = EXCLUDED.applied_at, event_id = EXCLUDED.event_id
-WHERE ingest_entityversion.applied_at <= EXCLUDED.applied_at
-RETURNING 1
-"""
-
-
 def _advance_version(version_key: str, event: InboundEvent) -> bool:
     """Record ``event`` as the last one applied to its entity, by the events' own time,
     unless it is older than the one already applied (stale: returns False). Runs before
     the handlers in their transaction, so a failing handler undoes it."""
     if not version_key or event.occurred_at is None:
         return True
-    if connection.vendor == "postgresql":
-        with bound_cursor() as cursor:
-            cursor.execute(
-                _ADVANCE_VERSION_SQL,
-                {"key": version_key, "applied_at": event.occurred_at, "event_id": event.id},
-            )
-            return cursor.fetchone() is not None
-    applied = (
-        EntityVersion.objects.select_for_update()
-        .filter(key=version_key)
-        .values_list("applied_at", flat=True)
-        .first()
-    )
-    if applied is not None and event.occurred_at < applied:
-        return False
-    EntityVersion.objects.update_or_create(
-        key=version_key, defaults={"applied_at": event.occurred_at, "event": event}
-    )
-    return True
+    params = {"key": version_key, "applied_at": event.occurred_at, "event_id": event.id}
+    return ADVANCE_VERSION(params) is not None
 
 
 def _run_row(event, name, started, outcome, duration_ms=0.0, error=""):
@@ -1080,13 +880,6 @@ def _complete(event, token, state, runs: list, lock_key: str) -> bool:
     """Record ``runs``, mark ``event`` ``state`` and give back the entity lock
     ``lock_key`` (if any) the token holds, if the lease is still ours; False when it was
     lost."""
-    if connection.vendor != "postgresql":
-        HandlerRun.objects.bulk_create(runs)
-        if not _finish(event, token, state=state):
-            return False
-        if lock_key:
-            entity_lock_release(key=lock_key, owner=str(token))
-        return True
     lock_keys = [lock_key] if lock_key else []
     rows = [(event.id, r.handler, r.attempt, r.started_at, r.duration_ms, r.outcome) for r in runs]
     # The version was advanced before the handlers (_advance_version): none to move here.

@@ -1,0 +1,354 @@
+"""The statements of the inbound fast path, each defined once by name: its PostgreSQL
+text and, directly below it, the same effect written with the ORM for SQLite
+(``deliveries.jobs.sql.Statement``). A statement takes the same parameters and gives
+back the same shape whichever spelling runs, so ``ingest.services`` never asks which
+database it is on to store, lease or record an event.
+
+Array parameters travel in binary format (``%(name)b::type[]``, see deliveries.jobs.sql).
+``write_outbox`` is the ORM's way to enqueue stored events: the ORM spellings below and
+the scheduler's admission share it, where the PostgreSQL statements write their outbox
+rows in the same round trip.
+"""
+
+import uuid
+from collections.abc import Sequence
+from datetime import datetime
+
+from django.db import IntegrityError, transaction
+from django.db.models import F
+
+from deliveries.jobs.ids import UUID7_SQL, uuid7
+from deliveries.jobs.locks import RELEASE_SQL, entity_lock_release
+from deliveries.jobs.outbox import outbox_insert_sql, outbox_write
+from deliveries.jobs.sql import Statement
+
+from .models import EntityVersion, HandlerRun, InboundEvent, InboundState
+
+# The job kind of an inbound event's processing: the outbox rows written here carry it.
+KIND = "inbound"
+
+
+def write_outbox(ids: Sequence[uuid.UUID], now: datetime) -> None:
+    """The outbox rows of the events ``ids`` at their current dispatch, in the caller's
+    transaction."""
+    dispatches = dict(InboundEvent.objects.filter(id__in=ids).values_list("id", "dispatch_count"))
+    outbox_write(kind=KIND, jobs=[(i, dispatches[i], 0) for i in ids], now=now)
+
+
+# --- Receiving ------------------------------------------------------------------------
+
+
+# The event and its processing job in one statement: insert-or-nothing on
+# UNIQUE(source, event_id) and on the partial UNIQUE(source, body_sha256) (no conflict
+# target: either key makes a copy; a concurrent copy waits for the first and then
+# inserts nothing), and the outbox row only for an event actually inserted. The params
+# are the event's columns, ``headers`` as a psycopg ``Jsonb``, with ``now`` and
+# ``with_job``; the row is (1,) for an event inserted, (0,) for a copy.
+INSERT_EVENT = Statement(
+    """
+WITH new AS (
+    INSERT INTO ingest_inboundevent (id, source_id, event_id, body_sha256, event_type,
+        entity_id, occurred_at, body, headers, state, received_at, duplicates,
+        next_attempt_at, attempt_count, dispatch_count, enqueued_at, last_error)
+    VALUES (%(id)s, %(source_id)s, %(event_id)s, %(body_sha256)s, %(event_type)s,
+        %(entity_id)s, %(occurred_at)s, %(body)s, %(headers)s, %(state)s, %(received_at)s,
+        0, %(next_attempt_at)s, 0, %(dispatch_count)s, %(enqueued_at)s, %(last_error)s)
+    ON CONFLICT DO NOTHING
+    RETURNING id
+), job AS (
+    {outbox}
+)
+SELECT count(*) FROM new
+""".replace(
+        "{outbox}",
+        outbox_insert_sql(
+            kind=KIND, source="new", dispatch="1", priority="0", where="%(with_job)s"
+        ),
+    ),
+    returns="row",
+)
+
+
+@INSERT_EVENT.elsewhere
+def _(params):
+    fields = {k: v for k, v in params.items() if k not in ("now", "with_job")}
+    fields["headers"] = params["headers"].obj
+    return (int(_store_event(fields, params["now"], with_job=params["with_job"])),)
+
+
+def _store_event(fields: dict, now: datetime, *, with_job: bool) -> bool:
+    # Either unique key refuses a copy: its savepoint leaves nothing of it behind.
+    try:
+        with transaction.atomic():
+            InboundEvent.objects.create(**fields)
+            if with_job:
+                write_outbox([fields["id"]], now)
+    except IntegrityError:
+        return False
+    return True
+
+
+# INSERT_EVENT for a page of events: one statement, arrays bound server-side. The
+# duplicate count comes from the rows that existed before the statement (a data-modifying
+# CTE does not see the rows its siblings insert). The row is (ids inserted, duplicates).
+INSERT_EVENTS = Statement(
+    """
+WITH rows AS (
+    SELECT {uuid7} AS id, r.* FROM unnest(%(event_ids)b::text[], %(types)b::text[],
+        %(entities)b::text[], %(occurred)b::timestamptz[], %(bodies)b::bytea[])
+        AS r(event_id, event_type, entity_id, occurred_at, body)
+), new AS (
+    INSERT INTO ingest_inboundevent (id, source_id, event_id, event_type, entity_id,
+        occurred_at, body, headers, state, received_at, duplicates, next_attempt_at,
+        attempt_count, dispatch_count, enqueued_at, last_error)
+    SELECT id, %(source_id)s, event_id, event_type, entity_id, occurred_at, body, '{}',
+        'enqueued', %(now)s, 0, %(now)s, 0, 1, %(now)s, ''
+    FROM rows
+    ON CONFLICT (source_id, event_id) DO NOTHING
+    RETURNING id
+), job AS (
+    {outbox}
+), dup AS (
+    UPDATE ingest_inboundevent e
+    SET duplicates = e.duplicates + 1, last_duplicate_at = %(now)s
+    FROM rows WHERE e.source_id = %(source_id)s AND e.event_id = rows.event_id
+    RETURNING 1
+)
+SELECT (SELECT coalesce(array_agg(id), '{}') FROM new), (SELECT count(*) FROM dup)
+""".replace("{uuid7}", UUID7_SQL).replace(
+        "{outbox}", outbox_insert_sql(kind=KIND, source="new", dispatch="1", priority="0")
+    ),
+    returns="row",
+)
+
+
+@INSERT_EVENTS.elsewhere
+def _(params):
+    # One event at a time, each as INSERT_EVENT stores it; a copy counts on the stored row.
+    now, source_id = params["now"], params["source_id"]
+    new, duplicates = [], 0
+    for event_id, event_type, entity_id, occurred_at, body in zip(
+        params["event_ids"],
+        params["types"],
+        params["entities"],
+        params["occurred"],
+        params["bodies"],
+        strict=True,
+    ):
+        fields = {
+            "id": uuid7(),
+            "source_id": source_id,
+            "event_id": event_id,
+            "body_sha256": None,
+            "event_type": event_type,
+            "entity_id": entity_id,
+            "occurred_at": occurred_at,
+            "body": body,
+            "headers": {},
+            "state": InboundState.ENQUEUED,
+            "received_at": now,
+            "next_attempt_at": now,
+            "last_error": "",
+            "dispatch_count": 1,
+            "enqueued_at": now,
+        }
+        if _store_event(fields, now, with_job=True):
+            new.append(fields["id"])
+            continue
+        stored = InboundEvent.objects.filter(source_id=source_id)
+        found = stored.filter(event_id=event_id).values_list("id", flat=True).first()
+        stored.filter(id=found).update(duplicates=F("duplicates") + 1, last_duplicate_at=now)
+        duplicates += 1
+    return new, duplicates
+
+
+# --- Processing -----------------------------------------------------------------------
+
+
+# enqueued → processing for the events the messages name (their dispatch only), in one
+# statement that returns what processing reads. Rows another worker is leasing are
+# skipped, not waited for. Run in a transaction of the caller's.
+LEASE = Statement(
+    """
+WITH locked AS (
+    SELECT e.id FROM ingest_inboundevent e
+    JOIN unnest(%(ids)b::uuid[], %(dispatches)b::int[]) AS m(id, dispatch)
+        ON e.id = m.id AND e.dispatch_count = m.dispatch
+    WHERE e.state = 'enqueued'
+    FOR UPDATE OF e SKIP LOCKED
+)
+UPDATE ingest_inboundevent e SET state = 'processing', lease_token = %(token)s,
+    lease_until = %(until)s, attempt_count = e.attempt_count + 1
+FROM locked WHERE e.id = locked.id
+RETURNING e.id, e.source_id, e.event_id, e.event_type, e.entity_id, e.occurred_at, e.body,
+    e.headers, e.attempt_count
+""",
+    binary=True,  # the bodies as raw bytes, not hex text twice their size
+)
+
+
+# What LEASE returns of an event, in its order.
+_LEASED = (
+    "id",
+    "source_id",
+    "event_id",
+    "event_type",
+    "entity_id",
+    "occurred_at",
+    "body",
+    "headers",
+    "attempt_count",
+)
+
+
+@LEASE.elsewhere
+def _(params):
+    # The caller's transaction keeps the rows read here until the update.
+    wanted = dict(zip(params["ids"], params["dispatches"], strict=True))
+    read = (
+        InboundEvent.objects.filter(id__in=params["ids"], state=InboundState.ENQUEUED)
+        .select_for_update(skip_locked=True)
+        .values_list(*_LEASED, "dispatch_count")
+    )
+    rows = [row for *row, dispatch in read if wanted[row[0]] == dispatch]
+    leased = InboundEvent.objects.filter(
+        id__in=[row[0] for row in rows], state=InboundState.ENQUEUED
+    )
+    leased.update(
+        state=InboundState.PROCESSING,
+        lease_token=params["token"],
+        lease_until=params["until"],
+        attempt_count=F("attempt_count") + 1,
+    )
+    return [(*row[:-1], row[-1] + 1) for row in rows]  # the attempt the lease starts
+
+
+# The applied version of each key, its row locked to the end of the transaction (the
+# entity locks already keep other workers off these keys): rows of (key, applied at).
+LOCK_VERSIONS = Statement(
+    "SELECT key, applied_at FROM ingest_entityversion WHERE key = ANY(%(keys)b::text[])"
+    " ORDER BY key FOR UPDATE"
+)
+
+
+@LOCK_VERSIONS.elsewhere
+def _(params):
+    return list(
+        EntityVersion.objects.select_for_update()
+        .filter(key__in=params["keys"])
+        .order_by("key")
+        .values_list("key", "applied_at")
+    )
+
+
+# The entity's version moves to this event unless a newer one was applied already, and
+# the row stays locked to the end of the transaction: one statement, where a stale event
+# gets no row back.
+ADVANCE_VERSION = Statement(
+    """
+INSERT INTO ingest_entityversion (key, applied_at, event_id)
+VALUES (%(key)s, %(applied_at)s, %(event_id)s)
+ON CONFLICT (key) DO UPDATE SET applied_at = EXCLUDED.applied_at, event_id = EXCLUDED.event_id
+WHERE ingest_entityversion.applied_at <= EXCLUDED.applied_at
+RETURNING 1
+""",
+    returns="row",
+)
+
+
+@ADVANCE_VERSION.elsewhere
+def _advance_version(params):
+    applied = (
+        EntityVersion.objects.select_for_update()
+        .filter(key=params["key"])
+        .values_list("applied_at", flat=True)
+        .first()
+    )
+    if applied is not None and params["applied_at"] < applied:
+        return None
+    EntityVersion.objects.update_or_create(
+        key=params["key"],
+        defaults={"applied_at": params["applied_at"], "event_id": params["event_id"]},
+    )
+    return (1,)
+
+
+# A successful run's bookkeeping in one statement, for one event or a batch: the guarded
+# transitions out of processing (for the lease holder only), every handler run, each
+# entity's version moved to its latest applied event, and the entity locks given back.
+# The caller rolls the whole transaction back unless every event's transition happened:
+# the row is (events moved out of processing,).
+COMPLETE = Statement(
+    """
+WITH done AS (
+    UPDATE ingest_inboundevent e SET state = d.state, lease_until = NULL, lease_token = NULL,
+        last_error = '', processed_at = %(now)s
+    FROM unnest(%(ids)b::uuid[], %(states)b::text[]) AS d(id, state)
+    WHERE e.id = d.id AND e.state = 'processing' AND e.lease_token = %(token)s
+    RETURNING e.id
+), runs AS (
+    INSERT INTO ingest_handlerrun (event_id, handler, attempt, started_at, duration_ms,
+        outcome, error)
+    SELECT r.*, '' FROM unnest(%(run_events)b::uuid[], %(run_handlers)b::text[],
+        %(run_attempts)b::int[], %(run_started)b::timestamptz[], %(run_durations)b::float8[],
+        %(run_outcomes)b::text[]) AS r
+), versions AS (
+    INSERT INTO ingest_entityversion (key, applied_at, event_id)
+    SELECT * FROM unnest(%(version_keys)b::text[], %(version_times)b::timestamptz[],
+        %(version_events)b::uuid[])
+    ON CONFLICT (key) DO UPDATE SET applied_at = EXCLUDED.applied_at,
+        event_id = EXCLUDED.event_id
+    WHERE ingest_entityversion.applied_at <= EXCLUDED.applied_at
+), unlock AS ({release})
+SELECT count(*) FROM done
+""".replace("{release}", RELEASE_SQL.strip()),
+    returns="row",
+)
+
+
+@COMPLETE.elsewhere
+def _(params):
+    # The runs, the guarded transitions, then, if every lease held, versions and locks.
+    HandlerRun.objects.bulk_create(
+        [
+            HandlerRun(
+                event_id=event_id,
+                handler=handler,
+                attempt=attempt,
+                started_at=started_at,
+                duration_ms=duration_ms,
+                outcome=outcome,
+                error="",
+            )
+            for event_id, handler, attempt, started_at, duration_ms, outcome in zip(
+                params["run_events"],
+                params["run_handlers"],
+                params["run_attempts"],
+                params["run_started"],
+                params["run_durations"],
+                params["run_outcomes"],
+                strict=True,
+            )
+        ]
+    )
+    done = 0
+    for state in dict.fromkeys(params["states"]):
+        ids = [i for i, s in zip(params["ids"], params["states"], strict=True) if s == state]
+        done += InboundEvent.objects.filter(
+            id__in=ids, state=InboundState.PROCESSING, lease_token=params["token"]
+        ).update(
+            state=state,
+            lease_until=None,
+            lease_token=None,
+            last_error="",
+            processed_at=params["now"],
+        )
+    if done < len(params["ids"]):
+        return (done,)  # a lease was lost: the caller rolls back, nothing more to write
+    for key, applied_at, event_id in zip(
+        params["version_keys"], params["version_times"], params["version_events"], strict=True
+    ):
+        _advance_version({"key": key, "applied_at": applied_at, "event_id": event_id})
+    for key in params["lock_keys"]:
+        entity_lock_release(key=key, owner=params["owner"])
+    return (done,)
