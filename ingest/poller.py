@@ -150,6 +150,10 @@ def poll_source_run(*, slug: str, should_stop=lambda: False) -> PollResult:
     if not lease.acquire():
         logger.info("poll skipped: leased", extra={"action": "poll.leased", "source": slug})
         return PollResult(slug, "leased")
+    # The cursor as the lease holder sees it: read before the lease, it could be the one
+    # a run that has just released the lease started from, and the records it stored
+    # since would be read again.
+    poll.refresh_from_db(fields=["cursor_at", "cursor_ids"])
     result = PollResult(slug, "polled", cursor=Cursor(poll.cursor_at, frozenset(poll.cursor_ids)))
     started = timezone.now()
     adapter = adapter_for(poll)
