@@ -50,7 +50,7 @@ def main() -> None:
     django.setup()
     from deliveries.jobs.models import Outbox
     from ingest.models import Source
-    from ingest.poller import poll_source_create
+    from ingest.poll_sources import poll_source_create
     from tests.ingest.fake_provider import FakeProvider, StaticRecords
 
     results = []

@@ -461,7 +461,7 @@ def inbound_source():
     """The bench's Stripe-scheme source, created on first use (the inbound tables are
     emptied between runs, the sources table is not)."""
     from ingest.models import Source
-    from ingest.services import source_create
+    from ingest.sources import source_create
 
     return Source.objects.filter(slug=INBOUND_SLUG).first() or source_create(
         slug=INBOUND_SLUG, scheme="stripe", secrets=[INBOUND_SECRET]
@@ -542,7 +542,7 @@ def store_backlog(n: int) -> None:
     from django.db import transaction
     from django.utils import timezone
 
-    from ingest.services import NewEvent, inbound_store_many
+    from ingest.receiving import NewEvent, inbound_store_many
 
     ob.truncate_inbound()
     source = inbound_source()

@@ -3,7 +3,7 @@ rows (visible in the admin) and notifies an operator once per incident.
 
 Conditions come from *checks*, functions ``check(now) -> list[Signal]`` run by
 ``alerts_check`` (``manage.py check_alerts``, or the django-q2 schedule
-``deliveries.tasks.alerts_pass``, every minute), and from code that sees an incident
+``deliveries.schedules.alerts_pass``, every minute), and from code that sees an incident
 happen (the workers, when they disable an endpoint). Other apps register their checks
 from ``AppConfig.ready`` (``ingest`` registers the verification-failure spike).
 

@@ -69,6 +69,7 @@ def check_delivery_settings(app_configs, **kwargs):
         errors.append(
             Error(
                 f"QUEUE_BROKER_CLASS {settings.QUEUE_BROKER_CLASS!r} cannot be imported.",
+                hint="The database broker is 'deliveries.jobs.broker.DatabaseBroker'.",
                 id="deliveries.E006",
             )
         )

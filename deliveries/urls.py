@@ -36,6 +36,6 @@ urlpatterns = [
     path("readyz", health.readyz, name="readyz"),
     path("metrics", prometheus.metrics_view, name="metrics"),
     path("api/v1/", include(_api_v1().urls)),
-    path("api/", include("deliveries.api_urls")),
+    path("api/", include("deliveries.api.urls")),
     *_app_routes(),
 ]

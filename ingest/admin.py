@@ -5,7 +5,7 @@ from django.contrib import admin, messages
 
 from deliveries.admin import CappedCountPaginator, ReadOnlyAdmin
 
-from . import services
+from . import processing
 from .models import BackfillRun, HandlerRun, InboundEvent, PollSource, Source, VerificationFailure
 from .selectors import backfill_progress
 
@@ -61,7 +61,7 @@ class InboundEventAdmin(ReadOnlyAdmin):
 
     @admin.action(description="Process again (audited)", permissions=["change"])
     def reprocess(self, request, queryset):
-        n = services.inbound_reprocess(
+        n = processing.inbound_reprocess(
             event_ids=list(queryset.values_list("id", flat=True)), actor=request.user
         )
         self.message_user(request, f"{n} events queued for processing again.", messages.SUCCESS)
@@ -96,7 +96,7 @@ class PollSourceForm(forms.ModelForm):
             self.instance.auth_secret = self.cleaned_data["auth_secret"]
 
     def clean_config(self):
-        from .polling import http_json_config
+        from .changes import http_json_config
 
         try:
             http_json_config(self.cleaned_data["config"] or {})
@@ -119,7 +119,7 @@ class PollSourceAdmin(admin.ModelAdmin):
     ]
 
     def has_add_permission(self, request):
-        return False  # created with its inbound source by ingest.poller.poll_source_create
+        return False  # created with its inbound source by ingest.poll_sources.poll_source_create
 
     def get_fields(self, request, obj=None):
         fields = super().get_fields(request, obj)  # the form's, then auth_secret_set

@@ -11,7 +11,7 @@ class IngestConfig(AppConfig):
     # The key type its migrations were made with, whatever the host's DEFAULT_AUTO_FIELD.
     default_auto_field = "django.db.models.BigAutoField"
     # Composed by deliveries.urls: this app's API routes and the receiver.
-    api_router = "ingest.api_urls.router"
+    api_router = "ingest.api.urls.router"
     urls_module = "ingest.urls"
 
     def ready(self) -> None:
@@ -24,8 +24,10 @@ class IngestConfig(AppConfig):
         from .alerts import verification_failure_check
         from .metrics import inbound_gauges, polling_gauges
         from .models import Source, SourceSecret
+        from .processing import inbound_process, inbound_schedule
+        from .queries import KIND
         from .retention import inbound_pruner
-        from .services import KIND, forget_sources, inbound_process, inbound_schedule
+        from .sources import forget_sources
 
         kinds.register(kinds.JobKind(KIND, process=inbound_process, schedule=inbound_schedule))
         register_provider("inbound", inbound_gauges)

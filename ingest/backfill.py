@@ -25,10 +25,10 @@ from django.utils import timezone
 from deliveries.jobs.loop import Heartbeat
 from ingest.conf import settings
 
+from .changes import Cursor, Page, PollAdapter, PollError, TokenBucket, adapter_for, read_changes
+from .leases import Lease, LeaseLost
 from .models import BackfillRun, BackfillState, InboundEvent, PollSource
-from .poller import Lease, LeaseLost
-from .polling import Cursor, Page, PollAdapter, PollError, TokenBucket, adapter_for, read_changes
-from .services import inbound_store_many
+from .receiving import inbound_store_many
 
 logger = logging.getLogger("ingest")
 

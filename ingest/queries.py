@@ -1,8 +1,9 @@
 """The statements of the inbound fast path, each defined once by name: its PostgreSQL
 text and, directly below it, the same effect written with the ORM for SQLite
 (``deliveries.jobs.sql.Statement``). A statement takes the same parameters and gives
-back the same shape whichever spelling runs, so ``ingest.services`` never asks which
-database it is on to store, lease or record an event.
+back the same shape whichever spelling runs, so ``ingest.receiving`` and
+``ingest.processing`` never ask which database they are on to store, lease or record an
+event.
 
 Array parameters travel in binary format (``%(name)b::type[]``, see deliveries.jobs.sql).
 ``write_outbox`` is the ORM's way to enqueue stored events: the ORM spellings below and
@@ -43,7 +44,11 @@ def write_outbox(ids: Sequence[uuid.UUID], now: datetime) -> None:
 # target: either key makes a copy; a concurrent copy waits for the first and then
 # inserts nothing), and the outbox row only for an event actually inserted. The params
 # are the event's columns, ``headers`` as a psycopg ``Jsonb``, with ``now`` and
-# ``with_job``; the row is (1,) for an event inserted, (0,) for a copy.
+# ``with_job``; the row is (1,) for an event inserted, (0,) for a copy. The receive view
+# runs it in autocommit, usually as a request's first use of a persistent connection
+# with no health check before it (the source came from the cache): a connection the
+# server dropped is retried once on a fresh one (``reconnects``), which is safe because
+# it is idempotent (had the first try committed, the second finds a copy).
 INSERT_EVENT = Statement(
     """
 WITH new AS (
@@ -66,6 +71,7 @@ SELECT count(*) FROM new
         ),
     ),
     returns="row",
+    reconnects=True,
 )
 
 
@@ -241,23 +247,10 @@ def _(params):
     )
 
 
-# The entity's version moves to this event unless a newer one was applied already, and
-# the row stays locked to the end of the transaction: one statement, where a stale event
-# gets no row back.
-ADVANCE_VERSION = Statement(
-    """
-INSERT INTO ingest_entityversion (key, applied_at, event_id)
-VALUES (%(key)s, %(applied_at)s, %(event_id)s)
-ON CONFLICT (key) DO UPDATE SET applied_at = EXCLUDED.applied_at, event_id = EXCLUDED.event_id
-WHERE ingest_entityversion.applied_at <= EXCLUDED.applied_at
-RETURNING 1
-""",
-    returns="row",
-)
-
-
-@ADVANCE_VERSION.elsewhere
 def _advance_version(params):
+    # COMPLETE's versions as the ORM writes them: the entity's version moves to this
+    # event unless a newer one was applied already, the row locked to the end of the
+    # transaction.
     applied = (
         EntityVersion.objects.select_for_update()
         .filter(key=params["key"])
@@ -265,12 +258,11 @@ def _advance_version(params):
         .first()
     )
     if applied is not None and params["applied_at"] < applied:
-        return None
+        return
     EntityVersion.objects.update_or_create(
         key=params["key"],
         defaults={"applied_at": params["applied_at"], "event_id": params["event_id"]},
     )
-    return (1,)
 
 
 # A successful run's bookkeeping in one statement, for one event or a batch: the guarded

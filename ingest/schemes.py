@@ -826,7 +826,7 @@ class GenericHmac(Scheme):
 
 
 class Polled(Scheme):
-    """A source fed by polling (``ingest/polling.py``), not by webhooks: nothing posted to
+    """A source fed by polling (``ingest/changes.py``), not by webhooks: nothing posted to
     its webhook URL is ever authentic, and the stored records are parsed as JSON."""
 
     name = "poll"

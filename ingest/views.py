@@ -20,7 +20,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from deliveries.text import text_problem
 
-from . import services
+from . import receiving, sources
 from .schemes import Request
 
 logger = logging.getLogger("ingest")
@@ -90,35 +90,35 @@ def receive(request, slug: str):
         response = _error(405, "method_not_allowed", "Use POST.")
         response["Allow"] = "POST"
         return response
-    source = services.source_for(slug)
+    source = sources.source_for(slug)
     if source is None:
         return _error(404, "not_found", "No such source.")
-    wait = services.source_throttle(source)
+    wait = sources.source_throttle(source)
     if wait:
         return _error(429, "throttled", "Too many requests.", {"Retry-After": str(wait)})
     if _unstorable_header(request):
-        services.count_refusal(source, "bad_header", request)
+        sources.count_refusal(source, "bad_header", request)
         return _error(400, "bad_header", "A header holds a NUL byte.")
     content_type = request.content_type.lower()
     if content_type not in source.accepted_content_types:
-        services.count_refusal(source, "content_type", request)
+        sources.count_refusal(source, "content_type", request)
         return _error(415, "unsupported_media_type", "Unsupported content type.")
     if request.headers.get("Content-Encoding", "").strip().lower() not in IDENTITY_ENCODINGS:
-        services.count_refusal(source, "content_encoding", request)
+        sources.count_refusal(source, "content_encoding", request)
         return _error(415, "unsupported_media_type", "Unsupported content encoding.")
     try:
         body = _read_limited(request, source.max_body_bytes)
     except UnreadablePostError:
-        services.count_refusal(source, "incomplete_body", request)
+        sources.count_refusal(source, "incomplete_body", request)
         return _error(408, "request_timeout", "The body did not arrive in time.")
     except BadFraming:
-        services.count_refusal(source, "bad_framing", request)
+        sources.count_refusal(source, "bad_framing", request)
         return _error(400, "bad_framing", "The chunked body is malformed.")
     if body is None:
-        services.count_refusal(source, "too_large", request)
+        sources.count_refusal(source, "too_large", request)
         return _error(413, "too_large", "The body is too large.")
     inbound = Request(headers={k.lower(): v for k, v in request.headers.items()}, body=body)
-    outcome = services.inbound_receive(source=source, request=inbound, remote=_remote(request))
+    outcome = receiving.inbound_receive(source=source, request=inbound, remote=_remote(request))
     if outcome.status == 401:
         # Generic on purpose: the reason is counted, not told to the caller.
         return _error(401, "unauthorized", "Signature verification failed.")

@@ -59,7 +59,7 @@ def _egress_allows_loopback(settings):
 def _fresh_source_cache():
     # Each test's rows vanish with its rolled-back transaction, which sends no signal:
     # start every test with the web process's source cache empty.
-    from ingest.services import forget_sources
+    from ingest.sources import forget_sources
 
     forget_sources()
 

@@ -16,7 +16,13 @@ from contextlib import contextmanager
 from functools import partial
 
 import psycopg
-from django.db import DEFAULT_DB_ALIAS, NotSupportedError, connections
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    InterfaceError,
+    NotSupportedError,
+    OperationalError,
+    connections,
+)
 
 
 @contextmanager
@@ -50,7 +56,13 @@ class Statement:
     Django's own cursor, client-side binding, counted and logged like the ORM's queries:
     for the small statements without array parameters that were written that way, such
     as the advisory locks). A call with ``using`` runs on that database alias, and its
-    ORM spelling is called with ``using`` too."""
+    ORM spelling is called with ``using`` too.
+
+    ``reconnects``: the statement is idempotent and its caller runs it in autocommit, so
+    when the server has dropped the connection (a restart: it shows up on the first use
+    of a persistent connection, which nothing checks beforehand) the statement is tried
+    once more on a fresh connection. Inside a transaction the error is raised, as it is
+    for a database without a server to lose (SQLite)."""
 
     RETURNS = ("rows", "row", "count", "nothing")
 
@@ -62,6 +74,7 @@ class Statement:
         binary: bool = False,
         bound: bool = True,
         copy_in: bool = False,
+        reconnects: bool = False,
     ) -> None:
         if returns not in self.RETURNS:
             raise ValueError(f"returns must be one of {self.RETURNS}")
@@ -72,7 +85,14 @@ class Statement:
         self.binary = binary  # results in binary format (bytea without hex encoding)
         self.bound = bound
         self.copy_in = copy_in
+        self.reconnects = reconnects
         self.portable = None
+
+    def one_statement(self, using: str | None = None) -> bool:
+        """Whether a call is one statement on the database ``using`` (the PostgreSQL
+        text) rather than the ORM spelling, which may take a query per row: a caller that
+        batches work into a single call asks this."""
+        return connections[using or DEFAULT_DB_ALIAS].vendor == "postgresql"
 
     def elsewhere(self, portable):
         """Decorator: the ORM spelling, for every database but PostgreSQL."""
@@ -81,7 +101,7 @@ class Statement:
 
     def __call__(self, params=None, *, using: str | None = None):
         db = connections[using or DEFAULT_DB_ALIAS]
-        if db.vendor != "postgresql":
+        if not self.one_statement(db.alias):
             if self.portable is None:
                 raise NotSupportedError("this statement has a PostgreSQL spelling only")
             if using is None:
@@ -96,6 +116,14 @@ class Statement:
             with db.cursor() as cursor:
                 cursor.execute(self.sql, params)
                 return self._result(cursor)
+        if self.reconnects and not db.in_atomic_block:
+            try:
+                return self._execute(db, params)
+            except (OperationalError, InterfaceError):
+                db.close()
+        return self._execute(db, params)
+
+    def _execute(self, db, params):
         with bound_cursor(db.alias) as cursor:
             cursor.execute(self.sql, params, binary=self.binary)
             return self._result(cursor)

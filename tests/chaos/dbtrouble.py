@@ -56,7 +56,7 @@ def run(json_path: str | None, only: str = "") -> int:
         from deliveries.models import Delivery, Tenant
         from ingest.models import InboundEvent
         from ingest.schemes import get_scheme
-        from ingest.services import source_create
+        from ingest.sources import source_create
         from tests.chaos.handlers import SOURCE
         from tests.chaos.receiver import ChaosReceiver
 

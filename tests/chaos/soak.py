@@ -671,7 +671,7 @@ def run(cfg: Config) -> int:
         from deliveries.jobs.models import Outbox, QueueMessage
         from deliveries.models import Delivery, Tenant
         from ingest.models import InboundEvent
-        from ingest.services import source_create
+        from ingest.sources import source_create
         from tests.chaos.handlers import SOURCE
         from tests.chaos.receiver import ChaosReceiver, Rates
 

@@ -17,7 +17,7 @@ from deliveries import services
 from deliveries.alerts import alerts_check, notify_pending
 from deliveries.models import Event, OperationalEvent, Tenant
 from ingest.schemes import get_scheme
-from ingest.services import source_create
+from ingest.sources import source_create
 from tests.conftest import drain
 from tests.receiver import always
 

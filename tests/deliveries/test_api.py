@@ -359,7 +359,7 @@ def backfill_run_of(tenant):
     from datetime import UTC, datetime
 
     from ingest.backfill import backfill_run_create
-    from ingest.poller import poll_source_create
+    from ingest.poll_sources import poll_source_create
 
     poll_source_create(
         slug=f"crm-{tenant.id}",

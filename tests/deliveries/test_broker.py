@@ -314,7 +314,7 @@ def test_the_pipeline_and_django_q2_never_read_each_others_messages(tenant, both
     scheduler_tick()
     relay_tick(b=pipeline)
     # What a qcluster's scheduler enqueues for a schedule, on django-q2's default broker.
-    task_id = async_task("deliveries.tasks.alerts_pass", broker=tasks)
+    task_id = async_task("deliveries.schedules.alerts_pass", broker=tasks)
 
     assert pipeline.list_key != tasks.list_key
     taken = broker.receive(pipeline, 10)

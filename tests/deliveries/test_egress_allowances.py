@@ -10,7 +10,7 @@ from rest_framework.test import APIClient
 
 from deliveries import services
 from deliveries.models import Attempt, AuditEntry, Delivery, EgressAllowance, Endpoint
-from ingest.poller import poll_source_create, poll_source_run
+from ingest.poll_sources import poll_source_create, poll_source_run
 from tests.conftest import drain
 from tests.ingest.fake_provider import FakeProvider, StaticRecords
 

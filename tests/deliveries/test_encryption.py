@@ -19,8 +19,8 @@ from deliveries import encryption, services
 from deliveries.checks import check_encryption_keys, check_encryption_keys_set
 from deliveries.models import EndpointSecret
 from ingest.models import PollSource, SourceSecret
-from ingest.poller import poll_source_create
-from ingest.services import source_create
+from ingest.poll_sources import poll_source_create
+from ingest.sources import source_create
 from tests.conftest import drain
 
 pytestmark = pytest.mark.django_db

@@ -14,7 +14,7 @@ from django.utils import timezone
 from deliveries.jobs.models import LoopRun
 from deliveries.models import Delivery
 from ingest.models import BackfillRun
-from ingest.poller import poll_source_create
+from ingest.poll_sources import poll_source_create
 from tests.conftest import queue_for_slow_endpoint, scrape, subprocess_env
 from tests.ingest.fake_provider import FakeProvider, StaticRecords
 

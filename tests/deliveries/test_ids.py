@@ -11,7 +11,8 @@ from deliveries import services
 from deliveries.jobs.ids import UUID7_SQL, uuid7
 from deliveries.models import Delivery
 from ingest.models import InboundEvent
-from ingest.services import NewEvent, inbound_store_many, source_create
+from ingest.receiving import NewEvent, inbound_store_many
+from ingest.sources import source_create
 from tests.ingest.test_receive import SECRET, post, stripe_event
 
 

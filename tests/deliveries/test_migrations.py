@@ -182,3 +182,34 @@ def test_the_job_models_content_types_and_their_permissions_follow_them():
     assert Permission.objects.get(id=granted.id).content_type_id == old.id
     assert ContentType.objects.filter(id=kept.id, app_label="deliveries").exists()
     assert ContentType.objects.filter(app_label="trusty_jobs", model="looprun").count() == 1
+
+
+schedules_deliveries = importlib.import_module("deliveries.migrations.0026_schedules_module")
+schedules_ingest = importlib.import_module("ingest.migrations.0009_schedules_module")
+
+
+def test_schedule_rows_follow_their_units_to_the_schedules_modules_and_back():
+    from django.utils.module_loading import import_string
+    from django_q.models import Schedule
+
+    old = {
+        "webhooks: scheduler": "deliveries.tasks.scheduler_pass",
+        "poll:crm": "ingest.tasks.poll_pass",
+        "other": "myapp.tasks.report",
+    }
+    for name, func in old.items():
+        Schedule.objects.create(name=name, func=func, schedule_type=Schedule.MINUTES, minutes=1)
+
+    schedules_deliveries.forwards(apps, None)
+    schedules_ingest.forwards(apps, None)
+    funcs = dict(Schedule.objects.values_list("name", "func"))
+    assert funcs == {
+        "webhooks: scheduler": "deliveries.schedules.scheduler_pass",
+        "poll:crm": "ingest.schedules.poll_pass",
+        "other": "myapp.tasks.report",
+    }
+    assert all(callable(import_string(f)) for n, f in funcs.items() if n != "other")
+
+    schedules_ingest.backwards(apps, None)
+    schedules_deliveries.backwards(apps, None)
+    assert dict(Schedule.objects.values_list("name", "func")) == old

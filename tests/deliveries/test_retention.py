@@ -19,11 +19,11 @@ from deliveries import services
 from deliveries.jobs.models import LoopRun, Outbox
 from deliveries.models import Attempt, Delivery, DeliveryListing, Endpoint, Event
 from deliveries.retention import prune
-from deliveries.tasks import install_schedules
+from deliveries.schedules import install_schedules
 from ingest import handlers
 from ingest.models import HandlerRun, InboundEvent
 from ingest.schemes import get_scheme
-from ingest.services import source_create
+from ingest.sources import source_create
 from tests.conftest import drain
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.sqlite]
@@ -216,7 +216,7 @@ def test_loop_runs_and_schedules(settings):
     assert install_schedules() == ["webhooks: prune", "webhooks: alerts"]
     assert install_schedules() == []
     row = Schedule.objects.get(name="webhooks: prune")
-    assert row.func == "deliveries.tasks.prune_pass" and row.minutes == 60
+    assert row.func == "deliveries.schedules.prune_pass" and row.minutes == 60
     from django.utils.module_loading import import_string
 
     assert "deliveries" in import_string(row.func)()

@@ -16,7 +16,7 @@ from bench.outbound import child_pids
 from deliveries import services, state
 from deliveries.models import Delivery
 from deliveries.scheduler import scheduler_tick
-from ingest.services import source_create
+from ingest.sources import source_create
 from tests.conftest import gunicorn_server, manage, subprocess_env
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]

@@ -14,7 +14,7 @@ from deliveries import services
 from deliveries.models import Delivery
 from ingest import handlers
 from ingest.schemes import get_scheme
-from ingest.services import source_create
+from ingest.sources import source_create
 from project.logging import JsonFormatter
 from tests.conftest import drain, make_due
 from tests.receiver import fail_first

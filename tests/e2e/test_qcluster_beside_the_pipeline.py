@@ -14,7 +14,7 @@ from django_q.models import Task
 from deliveries import services
 from deliveries.jobs.models import QueueMessage
 from deliveries.models import Delivery
-from deliveries.tasks import MAINTENANCE_SCHEDULES, install_schedules
+from deliveries.schedules import MAINTENANCE_SCHEDULES, install_schedules
 from tests.conftest import subprocess_env
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]

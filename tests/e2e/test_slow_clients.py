@@ -11,7 +11,7 @@ import pytest
 
 from bench.slow_clients import PROBES, probe, start_slow_clients, stop_slow_clients
 from deliveries.services import tenant_create
-from ingest.services import source_create
+from ingest.sources import source_create
 from tests.conftest import gunicorn_server, subprocess_env
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]

@@ -9,7 +9,7 @@ import pytest
 import requests
 
 from deliveries.services import tenant_create
-from ingest.services import source_create
+from ingest.sources import source_create
 from tests.conftest import gunicorn_server, subprocess_env
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]

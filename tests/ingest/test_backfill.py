@@ -13,7 +13,7 @@ from django.db.models import Sum
 
 from ingest.backfill import backfill_run_create, backfill_run_execute
 from ingest.models import BackfillRun, InboundEvent
-from ingest.poller import poll_source_create, poll_source_run
+from ingest.poll_sources import poll_source_create, poll_source_run
 from tests.conftest import subprocess_env
 from tests.ingest.fake_provider import BASE, FakeProvider, StaticRecords
 

@@ -15,9 +15,10 @@ from django_q.models import Schedule
 
 from deliveries.jobs.models import EntityLock
 from ingest import handlers
+from ingest.changes import Cursor, HttpJsonAdapter, Record, TokenBucket
+from ingest.leases import Lease
 from ingest.models import InboundEvent, PollSource
-from ingest.poller import Lease, poll_source_create, poll_source_run
-from ingest.polling import Cursor, HttpJsonAdapter, Record, TokenBucket
+from ingest.poll_sources import poll_source_create, poll_source_run
 from tests.conftest import drain
 from tests.ingest.fake_provider import FakeProvider, LiveRecords, StaticRecords
 

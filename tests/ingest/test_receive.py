@@ -20,17 +20,11 @@ from deliveries.models import Delivery, Tenant
 from ingest import handlers
 from ingest.models import EntityVersion, HandlerRun, InboundEvent, VerificationFailure
 from ingest.schemes import get_scheme
-from ingest.services import source_create
+from ingest.sources import source_create
 from tests.conftest import drain, run_workers
+from tests.ingest.conftest import SECRET
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.sqlite]
-
-SECRET = "whsec_test_secret"
-
-
-@pytest.fixture
-def stripe():
-    return source_create(slug="stripe", scheme="stripe", secrets=[SECRET])
 
 
 @pytest.fixture
@@ -483,7 +477,7 @@ def test_create_source_command(settings):
 
 def test_run_workers_processes_inbound_and_reprocess_is_audited(stripe, applied):
     from deliveries.models import AuditEntry
-    from ingest.services import inbound_reprocess
+    from ingest.processing import inbound_reprocess
 
     post(stripe_event())
     drain()

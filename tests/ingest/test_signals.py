@@ -5,16 +5,11 @@ import pytest
 from django.db import transaction
 
 from ingest.models import InboundEvent
-from ingest.services import NewEvent, inbound_store_many, source_create
+from ingest.receiving import NewEvent, inbound_store_many
 from ingest.signals import inbound_event_stored
-from tests.ingest.test_receive import SECRET, post, stripe_event
+from tests.ingest.test_receive import post, stripe_event
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.sqlite]
-
-
-@pytest.fixture
-def stripe():
-    return source_create(slug="stripe", scheme="stripe", secrets=[SECRET])
 
 
 @pytest.fixture

@@ -25,11 +25,12 @@ from deliveries.models import (
     OperationalEvent,
     Tenant,
 )
-from deliveries.tasks import install_schedules
+from deliveries.schedules import install_schedules
 from ingest.backfill import backfill_run_create
 from ingest.models import HandlerRun, InboundEvent, PollSource, SourceSecret
-from ingest.poller import poll_source_create
-from ingest.services import NewEvent, count_refusal, inbound_store_many, source_create
+from ingest.poll_sources import poll_source_create
+from ingest.receiving import NewEvent, inbound_store_many
+from ingest.sources import count_refusal, source_create
 
 # Every admin registers these five views; anything else in get_urls() is a custom page.
 STANDARD_VIEWS = {"changelist", "add", "history", "delete", "change"}
@@ -107,7 +108,7 @@ def console_data() -> Console:
         Task.objects.create(
             id=f"task{int(success)}",
             name=f"task-{success}",
-            func="deliveries.tasks.prune_pass",
+            func="deliveries.schedules.prune_pass",
             started=now,
             stopped=now,
             success=success,

@@ -76,7 +76,6 @@ VENDOR_PLACES = {
     "deliveries/prometheus.py": "the gauges' time budget is a statement_timeout",
     "deliveries/admin.py": "the paginator's count budget is a statement_timeout",
     "deliveries/checks.py": "the system check reads PostgreSQL's server settings",
-    "ingest/services.py": "until the ingest split lands",
 }
 VENDOR = re.compile(r"connection\.vendor|\.vendor\s*[!=]=")
 

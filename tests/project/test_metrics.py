@@ -18,7 +18,7 @@ from deliveries.models import Delivery
 from deliveries.scheduler import scheduler_tick
 from ingest import handlers
 from ingest.schemes import get_scheme
-from ingest.services import source_create
+from ingest.sources import source_create
 from tests.conftest import drain, run_workers, scrape, value
 from tests.receiver import always
 

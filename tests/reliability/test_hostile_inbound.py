@@ -32,7 +32,7 @@ import pytest
 
 from ingest.models import InboundEvent, VerificationFailure
 from ingest.schemes import get_scheme
-from ingest.services import source_create
+from ingest.sources import source_create
 from tests.conftest import subprocess_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]

@@ -1,6 +1,6 @@
 from django.core.management.base import BaseCommand
 
-from deliveries.tasks import MAINTENANCE_SCHEDULES, install_schedules
+from deliveries.schedules import MAINTENANCE_SCHEDULES, install_schedules
 
 
 class Command(BaseCommand):

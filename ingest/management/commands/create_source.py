@@ -4,7 +4,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import IntegrityError
 
 from ingest.schemes import WEBHOOK_SCHEMES
-from ingest.services import source_create
+from ingest.sources import source_create
 
 
 class Command(BaseCommand):

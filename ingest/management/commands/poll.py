@@ -4,7 +4,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from deliveries.jobs.loop import StopFlag, recorded_run
 from ingest.models import PollSource
-from ingest.poller import poll_source_run
+from ingest.poll_sources import poll_source_run
 
 
 class Command(BaseCommand):

@@ -8,8 +8,8 @@ from rest_framework import serializers, viewsets
 
 from deliveries.api.views import TenantScoped
 
-from .models import BackfillRun
-from .selectors import backfill_progress
+from ..models import BackfillRun
+from ..selectors import backfill_progress
 
 
 class BackfillRunOutput(serializers.ModelSerializer):

@@ -1,6 +1,6 @@
 from rest_framework.routers import SimpleRouter
 
-from .api import BackfillRunViewSet
+from .views import BackfillRunViewSet
 
 # Mounted at /api/v1/ by deliveries.urls, beside deliveries' routes.
 router = SimpleRouter(trailing_slash="/?")

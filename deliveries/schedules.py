@@ -1,5 +1,5 @@
 """Units of work as plain functions, for django-q2 ``Schedule`` rows (editable in the
-admin: func ``deliveries.tasks.scheduler_pass``, every N minutes; cron strings need the
+admin: func ``deliveries.schedules.scheduler_pass``, every N minutes; cron strings need the
 optional croniter package) or any other task runner. ``run_scheduler --once``,
 ``run_relay --once``, ``prune`` and ``check_alerts`` call the same units.
 
@@ -32,8 +32,8 @@ def alerts_pass() -> dict:
 
 MAINTENANCE_SCHEDULES = {
     # name: (func, minutes between runs)
-    "webhooks: prune": ("deliveries.tasks.prune_pass", 60),
-    "webhooks: alerts": ("deliveries.tasks.alerts_pass", 1),
+    "webhooks: prune": ("deliveries.schedules.prune_pass", 60),
+    "webhooks: alerts": ("deliveries.schedules.alerts_pass", 1),
 }
 
 
@@ -56,3 +56,15 @@ def install_schedules() -> list[str]:
         if created or updated:
             changed.append(name)
     return changed
+
+
+def schedule_funcs_move(apps, *, old: str, new: str) -> int:
+    """A migration step: the ``Schedule`` rows whose func lies in module ``old`` (a
+    dotted path) name the same function in ``new``, admin-made rows included; returns how
+    many. A row stores its function's dotted path, so a module that moves takes its rows
+    along this way, and back on a rollback."""
+    Schedule = apps.get_model("django_q", "Schedule")
+    moved = 0
+    for pk, func in Schedule.objects.filter(func__startswith=f"{old}.").values_list("id", "func"):
+        moved += Schedule.objects.filter(id=pk).update(func=f"{new}{func[len(old) :]}")
+    return moved

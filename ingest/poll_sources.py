@@ -1,85 +1,25 @@
-"""Services for polling: create a poll source (with its schedule), run one poll under
-the source's lease. The mechanism (adapters, cursor, walk) is in ``ingest/polling.py``."""
+"""Poll sources: create one (with its django-q2 schedule), run one poll under the
+source's lease (``ingest/leases.py``). Reading the provider's changed records (adapters,
+cursor, walk) is ``ingest/changes.py``'s."""
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
 
-from deliveries.jobs.locks import entity_lock_acquire, entity_lock_release
-from deliveries.jobs.models import EntityLock
 from ingest.conf import settings
 
+from .changes import Cursor, PollError, adapter_for, http_json_config, read_changes
+from .leases import Lease, LeaseLost
 from .models import PollSource, Source
-from .polling import Cursor, PollError, adapter_for, http_json_config, read_changes
-from .services import inbound_store_many
+from .receiving import inbound_store_many
 
 logger = logging.getLogger("ingest")
-
-
-class LeaseLost(Exception):
-    """Another process took the lease over (ours expired): this page is rolled back."""
-
-
-class Lease:
-    """An expiring row (``deliveries.jobs.locks``) that one process at a time holds on a poll
-    source or a backfill run. Renewed in the transaction that stores each page, so a
-    holder whose lease was taken over can commit nothing. A holder on this host whose
-    process is gone (``kill -9``) is taken over at once instead of after the expiry."""
-
-    def __init__(self, key: str, ttl: float) -> None:
-        self.key, self.ttl = key, ttl
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
-
-    def acquire(self) -> bool:
-        if entity_lock_acquire(key=self.key, owner=self.owner, ttl=self.ttl):
-            return True
-        holder = EntityLock.objects.filter(key=self.key).values_list("owner", flat=True).first()
-        if holder and _dead_local_process(holder):
-            expires = timezone.now() + timedelta(seconds=self.ttl)
-            return bool(
-                EntityLock.objects.filter(key=self.key, owner=holder).update(
-                    owner=self.owner, expires_at=expires
-                )
-            )
-        return False
-
-    def holder(self) -> str:
-        return EntityLock.objects.filter(key=self.key).values_list("owner", flat=True).first() or ""
-
-    def renew(self) -> None:
-        """Call inside the transaction that writes; raises LeaseLost."""
-        if not entity_lock_acquire(key=self.key, owner=self.owner, ttl=self.ttl):
-            raise LeaseLost(self.key)
-
-    def release(self) -> None:
-        entity_lock_release(key=self.key, owner=self.owner)
-
-
-def _dead_local_process(owner: str) -> bool:
-    host, _, rest = owner.partition(":")
-    pid = rest.partition(":")[0]
-    if host != socket.gethostname() or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
-# --- Poll sources -----------------------------------------------------------------------
 
 
 def poll_schedule_name(slug: str) -> str:
@@ -114,14 +54,14 @@ def poll_source_create(
 
 def poll_schedule_ensure(poll: PollSource):
     """The django-q2 ``Schedule`` row that polls ``poll`` (created or brought up to date);
-    it calls ``ingest.tasks.poll_pass``, the same unit as ``poll SLUG --once``."""
+    it calls ``ingest.schedules.poll_pass``, the same unit as ``poll SLUG --once``."""
     from django_q.models import Schedule
 
     slug = poll.source.slug
     schedule, _ = Schedule.objects.update_or_create(
         name=poll_schedule_name(slug),
         defaults={
-            "func": "ingest.tasks.poll_pass",
+            "func": "ingest.schedules.poll_pass",
             "kwargs": repr({"slug": slug}),
             "schedule_type": Schedule.MINUTES,
             "minutes": poll.every_minutes,

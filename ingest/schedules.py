@@ -1,7 +1,7 @@
 """Units for django-q2 ``Schedule`` rows: one per poll source, created with the source
-(``ingest.poller.poll_schedule_ensure``). ``poll SLUG --once`` runs the same unit."""
+(``ingest.poll_sources.poll_schedule_ensure``). ``poll SLUG --once`` runs the same unit."""
 
-from .poller import poll_source_run
+from .poll_sources import poll_source_run
 
 
 def poll_pass(slug: str) -> dict:

@@ -15,9 +15,9 @@ def test_schedule_rows_can_call_the_loop_units():
     services.endpoint_create(tenant=tenant, url="http://127.0.0.1:9/x")
     services.publish_event(tenant=tenant, event_type="t", payload={})
     schedule = Schedule.objects.create(
-        func="deliveries.tasks.scheduler_pass", schedule_type=Schedule.MINUTES, minutes=1
+        func="deliveries.schedules.scheduler_pass", schedule_type=Schedule.MINUTES, minutes=1
     )
     assert import_string(schedule.func)()["enqueued"] == 1
-    assert import_string("deliveries.tasks.relay_pass")()["published"] == 1
+    assert import_string("deliveries.schedules.relay_pass")()["published"] == 1
     assert Delivery.objects.get().state == "enqueued"
     assert QueueMessage.objects.count() == 1

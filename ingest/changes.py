@@ -37,8 +37,8 @@ from deliveries.egress import EgressError, EgressPolicy, EgressSession
 from deliveries.selectors import egress_policy_for
 from ingest.conf import settings
 
+from .receiving import NewEvent
 from .schemes import MAX_EVENT_ID_LENGTH, _dig, _from_iso, _from_unix
-from .services import NewEvent
 
 logger = logging.getLogger("ingest")
 

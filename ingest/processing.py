@@ -1,0 +1,562 @@
+"""Processing inbound events, with guarded transitions on ``InboundEvent``:
+
+    enqueued ──lease──▶ processing ──finish──▶ processed | skipped | dead
+       ▲                    │         └──retry──▶ pending ──admit──▶ enqueued
+       └──lost dispatch─────┴──lease expired──▶ pending
+
+The processing job rides the delivery pipeline's outbox, relay, broker and workers as job
+kind ``inbound`` (``deliveries.jobs.kinds``): the scheduler's sweeps call
+``inbound_schedule``, the workers ``inbound_process``. The retry schedule is the
+deliveries' policy. Events are stored by ``ingest.receiving``.
+"""
+
+import json
+import logging
+import time
+import traceback
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import NamedTuple
+
+from django.db import DatabaseError, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from deliveries.jobs.broker import Message
+from deliveries.jobs.locks import entity_lock_acquire, entity_lock_release, entity_locks_acquire
+from deliveries.policy import RetryPolicy
+from deliveries.prometheus import INBOUND_HANDLER_DURATION, INBOUND_PROCESSED
+from ingest.conf import settings
+
+from .handlers import ParsedEvent, handlers_for
+from .models import HandlerRun, InboundEvent, InboundState, Source
+from .queries import COMPLETE, KIND, LEASE, LOCK_VERSIONS, write_outbox
+from .schemes import Request, get_scheme
+
+logger = logging.getLogger("ingest")
+
+LOCK_TTL = 60.0
+LOCK_BUSY_RETRY = 1.0
+
+
+# --- Scheduling (run by the scheduler's sweeps) -----------------------------------------
+
+
+def inbound_schedule(now: datetime, page_size: int) -> tuple[Counter, bool]:
+    """Admit due pending events, expire leases, recover lost dispatches."""
+    counts: Counter = Counter()
+    lease_cutoff = now
+    stale_cutoff = now - timedelta(seconds=settings.SCHEDULER_STALE_ENQUEUED_SECONDS)
+    with transaction.atomic():
+        expired = list(
+            InboundEvent.objects.filter(state=InboundState.PROCESSING, lease_until__lt=lease_cutoff)
+            .select_for_update(skip_locked=True)
+            .values_list("id", flat=True)[:page_size]
+        )
+        lost = list(
+            InboundEvent.objects.filter(state=InboundState.ENQUEUED, enqueued_at__lt=stale_cutoff)
+            .select_for_update(skip_locked=True)
+            .values_list("id", flat=True)[:page_size]
+        )
+        InboundEvent.objects.filter(id__in=expired, state=InboundState.PROCESSING).update(
+            state=InboundState.PENDING,
+            next_attempt_at=now,
+            lease_until=None,
+            lease_token=None,
+            last_error="lease expired",
+        )
+        InboundEvent.objects.filter(id__in=lost, state=InboundState.ENQUEUED).update(
+            state=InboundState.PENDING, next_attempt_at=now
+        )
+        counts["lease_expired"], counts["transport_lost"] = len(expired), len(lost)
+    with transaction.atomic():
+        # Uses the partial index inbound_due.
+        due = list(
+            InboundEvent.objects.filter(state=InboundState.PENDING, next_attempt_at__lte=now)
+            .select_for_update(skip_locked=True)
+            .order_by("next_attempt_at")
+            .values_list("id", flat=True)[:page_size]
+        )
+        if due:
+            InboundEvent.objects.filter(id__in=due, state=InboundState.PENDING).update(
+                state=InboundState.ENQUEUED,
+                enqueued_at=now,
+                dispatch_count=F("dispatch_count") + 1,
+            )
+            write_outbox(due, now)
+        counts["enqueued"] = len(due)
+    return counts, len(due) >= page_size
+
+
+# --- Processing (run by the workers) --------------------------------------------------
+
+
+def inbound_process(messages: Sequence[Message]) -> Counter:
+    """Lease the events named by the messages and process them. Stale copies of
+    messages (another dispatch, already leased or done) are skipped.
+
+    Where the bookkeeping is one ``COMPLETE`` statement (PostgreSQL), a batch is applied
+    in one transaction (``_process_batch``): every event's handlers, then that statement.
+    If a handler raises or a lease was lost, that transaction is rolled back and each
+    event of the batch runs again in a transaction of its own (``_process_one``), the
+    path SQLite always takes, so one failing event costs the others a second run, never
+    their result. Both paths apply events by one rule, ``_apply``."""
+    counts: Counter = Counter()
+    now = timezone.now()
+    token = uuid.uuid4()
+    wanted = {m.job_id: m.dispatch for m in messages}
+    until = now + timedelta(seconds=LOCK_TTL + 30)
+    rows = _lease(wanted, token=token, until=until)
+    counts["skipped_messages"] = len(messages) - len(rows)
+    # Batches are PostgreSQL's (docs/inbound.md): where COMPLETE is its ORM spelling, a
+    # query per row, every event runs one by one.
+    if COMPLETE.one_statement():
+        leased = _process_batch(rows, token, counts) if rows else []
+    else:
+        leased = [r.id for r in rows]
+    for row, source in _in_applying_order(leased) if leased else ():
+        t0 = time.perf_counter()
+        result = _process_one(row, source, token)
+        counts[result] += 1
+        INBOUND_PROCESSED.labels(source.slug, result).inc()
+        _log_processed(
+            row.id, source.slug, row.event_id, row.event_type, row.attempt, result,
+            time.perf_counter() - t0,
+        )  # fmt: skip
+    return counts
+
+
+def _log_processed(event_id, slug, provider_id, event_type, attempt, result, seconds) -> None:
+    logger.debug(
+        "inbound processed",
+        extra={
+            "action": "inbound.process",
+            "job_type": KIND,
+            "inbound_id": str(event_id),
+            "source": slug,
+            "event_id": provider_id,
+            "event_type": event_type,
+            "attempt": attempt,
+            "outcome": result,
+            "duration_ms": round(seconds * 1000, 1),
+        },
+    )
+
+
+class _Leased(NamedTuple):
+    id: uuid.UUID
+    source_id: uuid.UUID
+    event_id: str
+    event_type: str
+    entity_id: str
+    occurred_at: datetime | None
+    body: bytes
+    headers: dict
+    attempt: int
+
+
+def _lease(wanted: dict, *, token, until) -> list[_Leased]:
+    with transaction.atomic():
+        rows = LEASE(
+            {
+                "ids": list(wanted),
+                "dispatches": list(wanted.values()),
+                "token": token,
+                "until": until,
+            }
+        )
+    return [
+        _Leased(*row[:7], row[7] if isinstance(row[7], dict) else json.loads(row[7]), row[8])
+        for row in rows
+    ]
+
+
+def _entity_key(slug: str, entity_id: str) -> str:
+    """The key of an entity's lock and applied version ("" for an event without one):
+    the batch and the one-by-one paths must name an entity alike to exclude each other."""
+    return f"{slug}:{entity_id}" if entity_id else ""
+
+
+_EARLIEST = datetime.min.replace(tzinfo=UTC)
+
+
+def _in_applying_order(ids: list[uuid.UUID]) -> list[tuple[_Leased, Source]]:
+    """The leased events ``ids`` with their sources, read again in the order the
+    one-by-one path applies them: by their own time (none first), then by arrival."""
+    events = (
+        InboundEvent.objects.filter(id__in=ids)
+        .select_related("source")
+        .order_by(F("occurred_at").asc(nulls_first=True), "received_at")
+    )
+    return [
+        (
+            _Leased(
+                e.id,
+                e.source_id,
+                e.event_id,
+                e.event_type,
+                e.entity_id,
+                e.occurred_at,
+                bytes(e.body),
+                e.headers,
+                e.attempt_count,
+            ),
+            e.source,
+        )
+        for e in events
+    ]
+
+
+def _process_batch(rows: list[_Leased], token: uuid.UUID, counts: Counter) -> list[uuid.UUID]:
+    """Apply a leased batch in one transaction; returns the ids left to process one by
+    one (all of them if the transaction was rolled back, none if it committed).
+
+    Entity locks are taken for the whole batch at once, before the transaction; events
+    whose entity another worker holds wait ``LOCK_BUSY_RETRY`` as on the one-by-one
+    path. Within the batch, events run in the order of their own time, so that an
+    entity's events arriving out of order in one batch are applied in order; an event
+    older than its entity's applied version is stale, exactly as one by one."""
+    sources = Source.objects.in_bulk({r.source_id for r in rows})
+    owner = str(token)
+    keys = {r.id: _entity_key(sources[r.source_id].slug, r.entity_id) for r in rows if r.entity_id}
+    if keys:
+        held = entity_locks_acquire(keys=keys.values(), owner=owner, ttl=LOCK_TTL)
+        busy = [event_id for event_id, key in keys.items() if key not in held]
+        if busy:
+            _finish(
+                busy,
+                token,
+                state=InboundState.PENDING,
+                delay=LOCK_BUSY_RETRY,
+                error="entity locked",
+                count_attempt=False,
+            )
+            waiting = set(busy)
+            for slug, n in Counter(
+                sources[r.source_id].slug for r in rows if r.id in waiting
+            ).items():
+                counts["entity_busy"] += n
+                INBOUND_PROCESSED.labels(slug, "entity_busy").inc(n)
+            rows = [r for r in rows if r.id not in waiting]
+    if not rows:
+        return []
+    rows.sort(key=lambda r: r.occurred_at or _EARLIEST)
+    observed: list[tuple[str, float]] = []
+    try:
+        with transaction.atomic():
+            outcomes = _apply(rows, _parsed(rows, sources), sources, keys, token, observed)
+    except Exception as exc:
+        blamed = isinstance(exc, _HandlerFailed) and exc.blamed
+        unblamed_handler = isinstance(exc, _HandlerFailed) and not blamed
+        logger.info(
+            "inbound batch rolled back, its events run one by one",
+            extra={
+                "action": "inbound.batch_rolled_back",
+                "events": len(rows),
+                "error": type(exc.__cause__ if unblamed_handler else exc).__name__,
+            },
+        )
+        if not blamed:
+            return [r.id for r in rows]
+        # A handler raised: that run is this event's attempt, recorded as the one-by-one
+        # path would have. The batch's other events run again one by one.
+        failed = exc.row
+        INBOUND_HANDLER_DURATION.labels(exc.handler, "error").observe(exc.seconds)
+        _record_failure(failed, token, exc.started, exc.__cause__)
+        if failed.id in keys:
+            entity_lock_release(key=keys[failed.id], owner=owner)
+        slug = sources[failed.source_id].slug
+        counts["failed"] += 1
+        INBOUND_PROCESSED.labels(slug, "failed").inc()
+        _log_processed(
+            failed.id, slug, failed.event_id, failed.event_type, failed.attempt, "failed",
+            exc.seconds,
+        )  # fmt: skip
+        return [r.id for r in rows if r.id != failed.id]
+    for name, seconds in observed:
+        INBOUND_HANDLER_DURATION.labels(name, "ok").observe(seconds)
+    by_label: Counter = Counter()
+    debug = logger.isEnabledFor(logging.DEBUG)
+    for r, result, seconds in outcomes:
+        slug = sources[r.source_id].slug
+        by_label[slug, result] += 1
+        if debug:
+            _log_processed(r.id, slug, r.event_id, r.event_type, r.attempt, result, seconds)
+    for (slug, result), n in by_label.items():
+        counts[result] += n
+        INBOUND_PROCESSED.labels(slug, result).inc(n)
+    return []
+
+
+def _process_one(row: _Leased, source: Source, token: uuid.UUID) -> str:
+    """Apply one leased event in a transaction of its own, under its entity's lock."""
+    owner = str(token)
+    lock_key = _entity_key(source.slug, row.entity_id)
+    if lock_key and not entity_lock_acquire(key=lock_key, owner=owner, ttl=LOCK_TTL):
+        # Another event of the same entity is being applied: try again shortly, without
+        # counting it as a failure.
+        _finish(
+            [row.id],
+            token,
+            state=InboundState.PENDING,
+            delay=LOCK_BUSY_RETRY,
+            error="entity locked",
+            count_attempt=False,
+        )
+        return "entity_busy"
+    released = False
+    try:
+        result = _apply_one(row, source, token, lock_key)
+        released = result in COMMITTED  # the lock went with the handlers' commit
+        return result
+    finally:
+        if lock_key and not released:
+            entity_lock_release(key=lock_key, owner=owner)
+
+
+# _apply_one's results whose transaction committed (the entity lock released with it).
+COMMITTED = frozenset({InboundState.PROCESSED, InboundState.SKIPPED, "stale"})
+
+
+def _apply_one(row: _Leased, source: Source, token: uuid.UUID, lock_key: str) -> str:
+    """``_apply`` for ``row`` alone, in one transaction; ``lock_key`` (if any) is the
+    entity lock the lease's token holds, given back in that same transaction, so that a
+    success costs one commit. A failure is recorded as the event's attempt."""
+    sources = {source.id: source}
+    keys = {row.id: lock_key} if lock_key else {}
+    parsed = _parsed([row], sources)
+    started = timezone.now()
+    observed: list[tuple[str, float]] = []
+    try:
+        with transaction.atomic():
+            [(_, result, _)] = _apply([row], parsed, sources, keys, token, observed)
+    except _LeaseLost:
+        return "lease_lost"
+    except _HandlerFailed as exc:
+        INBOUND_HANDLER_DURATION.labels(exc.handler, "error").observe(exc.seconds)
+        _record_failure(row, token, exc.started, exc.__cause__)
+        return "failed"
+    except Exception as exc:
+        _record_failure(row, token, started, exc)
+        return "failed"
+    finally:
+        for name, seconds in observed:
+            INBOUND_HANDLER_DURATION.labels(name, "ok").observe(seconds)
+    return result
+
+
+def _parsed(rows: list[_Leased], sources: dict) -> list[ParsedEvent]:
+    """What the handlers of each event in ``rows`` are given."""
+    schemes = {
+        i: get_scheme(source.scheme, source.options or None) for i, source in sources.items()
+    }
+    return [
+        ParsedEvent(
+            id=str(r.id),
+            source=sources[r.source_id].slug,
+            event_id=r.event_id,
+            event_type=r.event_type,
+            entity_id=r.entity_id,
+            occurred_at=r.occurred_at,
+            payload=schemes[r.source_id].parse(Request(headers=r.headers, body=r.body)),
+            body=r.body,
+            headers=r.headers,
+            attempt=r.attempt,
+        )
+        for r in rows
+    ]
+
+
+def _apply(
+    rows: list[_Leased],
+    parsed: list[ParsedEvent],
+    sources: dict,
+    keys: dict,
+    token: uuid.UUID,
+    observed: list[tuple[str, float]],
+) -> list[tuple[_Leased, str, float]]:
+    """The rule both paths apply events by, in the caller's transaction: run the
+    handlers of every event in ``rows`` (in their order) and record them in one
+    ``COMPLETE`` statement. Returns (row, outcome, seconds) per event and appends
+    (handler, seconds) to ``observed`` for every handler that ran.
+
+    - **Versions**: an event with an entity (its key in ``keys``, whose locks the token
+      holds) and a time is stale if older than the version applied to that entity; a
+      stale event's handlers are recorded ``stale`` and not run, unless registered with
+      ``see_stale``. Otherwise it becomes the entity's version, written with the runs.
+    - **Runs**: one ``HandlerRun`` row per handler (``ok`` or ``stale``), or one
+      ``no_handler`` row; the event is ``processed`` if a handler ran, else ``skipped``.
+    - **Failure**: a handler that raises raises ``_HandlerFailed``; a lease that was
+      lost (expired and taken over) raises ``_LeaseLost``, and the caller rolls back."""
+    version_keys = sorted({keys[r.id] for r in rows if r.id in keys and r.occurred_at})
+    applied = _applied_versions(version_keys)
+    latest: dict[str, tuple[datetime, uuid.UUID]] = {}
+    registered: dict[tuple[str, str], list] = {}
+    runs: list[tuple] = []
+    outcomes: list[tuple[_Leased, str, float]] = []
+    states: list[str] = []
+    for r, event in zip(rows, parsed, strict=True):
+        t_event = time.perf_counter()
+        slug = sources[r.source_id].slug
+        stale = False
+        key = keys.get(r.id)
+        if key and r.occurred_at is not None:
+            if key in applied and r.occurred_at < applied[key]:
+                stale = True
+            else:
+                applied[key] = r.occurred_at
+                latest[key] = (r.occurred_at, r.id)
+        registrations = registered.get((slug, r.event_type))
+        if registrations is None:
+            registrations = registered[slug, r.event_type] = handlers_for(slug, r.event_type)
+        started = timezone.now()
+        ran = 0
+        for registration in registrations:
+            if stale and not registration.see_stale:
+                runs.append((r.id, registration.name, r.attempt, started, 0.0, "stale"))
+                continue
+            t0 = time.perf_counter()
+            try:
+                registration.func(event)
+            except Exception as exc:
+                raise _HandlerFailed(
+                    r, registration.name, started, time.perf_counter() - t0
+                ) from exc
+            elapsed = time.perf_counter() - t0
+            observed.append((registration.name, elapsed))
+            ran += 1
+            runs.append((r.id, registration.name, r.attempt, started, elapsed * 1000, "ok"))
+        if not registrations:
+            runs.append((r.id, "", r.attempt, started, 0.0, "no_handler"))
+        final = InboundState.PROCESSED if ran else InboundState.SKIPPED
+        states.append(final)
+        outcomes.append((r, "stale" if stale else final, time.perf_counter() - t_event))
+    ids = [r.id for r in rows]
+    lock_keys = sorted(set(keys.values()))
+    if not _complete(ids, states, runs, sorted(latest.items()), lock_keys, token):
+        raise _LeaseLost
+    return outcomes
+
+
+class _LeaseLost(Exception):
+    pass
+
+
+class _HandlerFailed(Exception):
+    """A handler raised (the ``__cause__``) on ``row``."""
+
+    def __init__(self, row: _Leased, handler: str, started: datetime, seconds: float) -> None:
+        super().__init__(handler)
+        self.row, self.handler, self.started, self.seconds = row, handler, started, seconds
+
+    @property
+    def blamed(self) -> bool:
+        """Whether the failure is the event's own even within a batch. A database error
+        may have been caused by an earlier handler of the same transaction (a swallowed
+        error leaves it aborted): only a run in a transaction of its own tells."""
+        return not isinstance(self.__cause__, DatabaseError)
+
+
+def _applied_versions(version_keys: list[str]) -> dict[str, datetime]:
+    """The applied version of each key, its row locked to the end of the transaction
+    (the entity locks already keep other workers off these keys)."""
+    if not version_keys:
+        return {}
+    return dict(LOCK_VERSIONS({"keys": version_keys}))
+
+
+def _complete(ids, states, runs, versions, lock_keys, token) -> bool:
+    """``COMPLETE``: ``runs`` are (event id, handler, attempt, started, duration ms,
+    outcome), ``versions`` (key, (applied at, event id)); the entity locks ``lock_keys``
+    are released if the lease's token owns them. False when a lease was lost."""
+    columns = list(zip(*runs, strict=True))  # every event has at least one run row
+    (done,) = COMPLETE(
+        {
+            "now": timezone.now(),
+            "ids": ids,
+            "states": states,
+            "token": token,
+            "run_events": list(columns[0]),
+            "run_handlers": list(columns[1]),
+            "run_attempts": list(columns[2]),
+            "run_started": list(columns[3]),
+            "run_durations": list(columns[4]),
+            "run_outcomes": list(columns[5]),
+            "version_keys": [k for k, _ in versions],
+            "version_times": [v[0] for _, v in versions],
+            "version_events": [v[1] for _, v in versions],
+            "lock_keys": lock_keys,
+            "owner": str(token),
+        }
+    )
+    return done == len(ids)
+
+
+def _record_failure(row: _Leased, token, started, exc) -> None:
+    error = "".join(traceback.format_exception_only(exc)).strip()[:2000]
+    policy = RetryPolicy.from_settings()
+    delay = policy.next_delay(max(row.attempt, 1))
+    with transaction.atomic():
+        HandlerRun.objects.create(
+            event_id=row.id,
+            handler="",
+            attempt=row.attempt,
+            started_at=started,
+            duration_ms=(timezone.now() - started).total_seconds() * 1000,
+            outcome=HandlerRun.Outcome.ERROR,
+            error=error,
+        )
+        _finish(
+            [row.id],
+            token,
+            state=InboundState.PENDING if delay is not None else InboundState.DEAD,
+            delay=delay or 0,
+            error=error,
+        )
+    logger.warning(
+        "handler failed",
+        extra={
+            "action": "ingest.handler_failed",
+            "inbound_id": str(row.id),
+            "error": error[:200],
+        },
+    )
+
+
+def _finish(
+    ids, token, *, state, delay: float = 0.0, error: str = "", count_attempt: bool = True
+) -> int:
+    """The guarded transition out of ``processing``, for the lease holder only."""
+    now = timezone.now()
+    fields = {"state": state, "lease_until": None, "lease_token": None, "last_error": error}
+    if state == InboundState.PENDING:
+        fields["next_attempt_at"] = now + timedelta(seconds=delay)
+        if not count_attempt:
+            fields["attempt_count"] = F("attempt_count") - 1
+    else:
+        fields["processed_at"] = now
+    return InboundEvent.objects.filter(
+        id__in=ids, state=InboundState.PROCESSING, lease_token=token
+    ).update(**fields)
+
+
+def inbound_reprocess(*, event_ids: Sequence[uuid.UUID], actor=None) -> int:
+    """Process events again (staff), audited; the handlers must be idempotent for it."""
+    from deliveries.services import audit
+
+    now = timezone.now()
+    with transaction.atomic():
+        n = InboundEvent.objects.filter(
+            id__in=list(event_ids),
+            state__in=[InboundState.PROCESSED, InboundState.SKIPPED, InboundState.DEAD],
+        ).update(state=InboundState.PENDING, next_attempt_at=now, attempt_count=0)
+        audit(
+            actor=actor,
+            action="inbound.reprocess",
+            target="inbound_event",
+            count=n,
+            ids=[str(i) for i in list(event_ids)[:100]],
+        )
+    return n
