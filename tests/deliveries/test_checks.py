@@ -91,3 +91,13 @@ def test_metrics_open_to_no_one_is_a_deploy_warning(settings):
     assert check_metrics_access(None) == []
     settings.METRICS_TOKEN, settings.METRICS_ALLOW_IPS = "", ["10.0.0.7"]
     assert check_metrics_access(None) == []
+
+
+def test_a_broker_class_that_cannot_be_imported_is_refused_naming_the_database_broker(settings):
+    from deliveries.checks import check_delivery_settings
+
+    assert "deliveries.E006" not in [e.id for e in check_delivery_settings(None)]
+    settings.QUEUE_BROKER_CLASS = "deliveries.broker.DatabaseBroker"  # no such module
+    [error] = [e for e in check_delivery_settings(None) if e.id == "deliveries.E006"]
+    assert "deliveries.broker.DatabaseBroker" in error.msg
+    assert "deliveries.jobs.broker.DatabaseBroker" in error.hint
