@@ -4,7 +4,6 @@ import ipaddress
 
 from django.core.checks import Error, Tags, Warning, register
 from django.db import connections
-from django.utils.module_loading import import_string
 
 from deliveries.conf import settings
 
@@ -57,14 +56,14 @@ def check_delivery_settings(app_configs, **kwargs):
         )
     if settings.WORKER_SHUTDOWN_GRACE < 0:
         errors.append(Error("WORKER_SHUTDOWN_GRACE must not be negative.", id="deliveries.E020"))
-    from .jobs.broker import QUEUES_SHARED, shares_tasks_queue
+    from .jobs.broker import QUEUES_SHARED, broker_class, shares_tasks_queue
 
     if shares_tasks_queue():
         errors.append(Error(QUEUES_SHARED, id="deliveries.E007"))
     if settings.LOOP_HEARTBEAT_SECONDS <= 0:
         errors.append(Error("LOOP_HEARTBEAT_SECONDS must be positive.", id="deliveries.E008"))
     try:
-        import_string(settings.QUEUE_BROKER_CLASS)
+        broker_class()
     except ImportError:
         errors.append(
             Error(

@@ -201,7 +201,18 @@ def get_broker() -> Broker:
         raise ImproperlyConfigured(QUEUES_SHARED)
     # Built from the app's own setting, not django-q2's Q_CLUSTER["broker_class"] (the
     # host's, which a host may not have: django-q2 would then pick Redis).
-    return import_string(settings.QUEUE_BROKER_CLASS)(list_key=settings.QUEUE_NAME)
+    return broker_class()(list_key=settings.QUEUE_NAME)
+
+
+# Where the database broker was before the job machinery had its own package: a value
+# deployments may have set in QUEUE_BROKER_CLASS keeps naming it.
+_MOVED = {"deliveries.broker.DatabaseBroker": "deliveries.jobs.broker.DatabaseBroker"}
+
+
+def broker_class() -> type[Broker]:
+    """The class ``QUEUE_BROKER_CLASS`` names (``ImportError`` if none)."""
+    path = settings.QUEUE_BROKER_CLASS
+    return import_string(_MOVED.get(path, path))
 
 
 QUEUES_SHARED = (

@@ -97,7 +97,16 @@ def test_a_broker_class_that_cannot_be_imported_is_refused_naming_the_database_b
     from deliveries.checks import check_delivery_settings
 
     assert "deliveries.E006" not in [e.id for e in check_delivery_settings(None)]
-    settings.QUEUE_BROKER_CLASS = "deliveries.broker.DatabaseBroker"  # no such module
+    settings.QUEUE_BROKER_CLASS = "deliveries.brokers.DatabaseBroker"  # no such module
     [error] = [e for e in check_delivery_settings(None) if e.id == "deliveries.E006"]
-    assert "deliveries.broker.DatabaseBroker" in error.msg
+    assert "deliveries.brokers.DatabaseBroker" in error.msg
     assert "deliveries.jobs.broker.DatabaseBroker" in error.hint
+
+
+def test_the_database_brokers_old_path_keeps_naming_it(settings):
+    from deliveries.checks import check_delivery_settings
+    from deliveries.jobs.broker import DatabaseBroker, broker_class
+
+    settings.QUEUE_BROKER_CLASS = "deliveries.broker.DatabaseBroker"  # before deliveries.jobs
+    assert broker_class() is DatabaseBroker
+    assert "deliveries.E006" not in [e.id for e in check_delivery_settings(None)]
