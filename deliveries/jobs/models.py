@@ -201,6 +201,7 @@ class JobOutcome(models.TextChoices):
     FAILED = "failed"  # raise Fail(...): dead at once
     UNREADABLE = "unreadable"  # unknown type or payload version: dead
     RELEASED = "released"  # SIGTERM past the grace: given back unfinished
+    LOST = "lost"  # the lease expired: the worker died or hung (the scheduler's sweep)
 
 
 class JobRun(models.Model):
