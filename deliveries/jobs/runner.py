@@ -253,7 +253,7 @@ class JobWorker:
                     continue
                 if once:
                     claiming = False
-                settled = not self.in_flight and not self.finished
+                settled = not self._unsettled()
                 if settled and (once or (until_idle and not claimed)):
                     break
                 if claimed < 0 or (recorded and claiming):
@@ -308,7 +308,9 @@ class JobWorker:
                 reset_connection()
                 time.sleep(0.5)
         if self.pool is not None:
-            self.pool.stop()
+            # Threads still in a job (past its timeout, or released) are left to die
+            # with the process: they are daemons.
+            self.pool.stop(wait=0.0 if self.in_flight else 2.0)
         if self.event_loop is not None:
             self.event_loop.stop()
 

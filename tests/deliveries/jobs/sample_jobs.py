@@ -58,11 +58,19 @@ def mark(label="", seconds=0.0, key=""):
     _mark(label, started)
 
 
+def _mark_and_close(label: str, started: float) -> None:
+    # asgiref's executor thread outlives the job: its connection must not.
+    try:
+        _mark(label, started)
+    finally:
+        connection.close()
+
+
 @job("test.async_mark")
 async def async_mark(label="", seconds=0.0):
     started = time.time()
     await asyncio.sleep(seconds)
-    await sync_to_async(_mark)(label, started)
+    await sync_to_async(_mark_and_close)(label, started)
 
 
 @job("test.flaky", max_attempts=3, retry={"schedule": (0.2, 0.2), "jitter": 0.0})
@@ -93,6 +101,15 @@ def slow(label="", seconds=5.0):
     current_job().progress(1, 2)
     time.sleep(seconds / 2)
     _mark(label, started)
+
+
+@job("test.crashable", timeout=3)
+def crashable(label=""):
+    """Hangs on its first run (the test kills the worker meanwhile), returns after."""
+    _mark(f"{label}:start", time.time())
+    if current_job().attempt == 1:
+        time.sleep(60)
+    _mark(label, time.time())
 
 
 @job("test.timeout", timeout=0.3, max_attempts=1)
