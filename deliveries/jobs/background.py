@@ -80,9 +80,8 @@ class JobType:
     # Readers of older payload versions: version -> fn(payload) -> payload of ``version``.
     readers: dict[int, Callable[[dict], dict]] = field(default_factory=dict)
 
-    @property
-    def is_async(self) -> bool:
-        return inspect.iscoroutinefunction(self.fn)
+    def __post_init__(self) -> None:
+        self.is_async = inspect.iscoroutinefunction(self.fn)
 
     @property
     def lease_seconds(self) -> float:
@@ -299,9 +298,10 @@ def call_sync(spec: JobType, running: RunningJob, payload: dict):
 
 async def call_async(spec: JobType, running: RunningJob, payload: dict):
     """Run a coroutine job on the worker's loop with ``current_job()`` set, cut off at
-    its timeout (``asyncio.TimeoutError``)."""
+    its timeout (``TimeoutError``)."""
     _current.set(running)  # this task's own context
-    return await asyncio.wait_for(spec.fn(**payload), spec.timeout)
+    async with asyncio.timeout(spec.timeout):
+        return await spec.fn(**payload)
 
 
 # --- The "job" kind's schedule (run by run_scheduler) -----------------------------------

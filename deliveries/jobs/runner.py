@@ -119,7 +119,7 @@ def classify(entry: InFlight, exc: BaseException | None, seconds: float) -> Resu
         return Result(entry, JobOutcome.RETRY, seconds, error=str(exc), retry_after=exc.after)
     if isinstance(exc, Fail):
         return Result(entry, JobOutcome.FAILED, seconds, error=exc.reason, reason=exc.reason)
-    if isinstance(exc, asyncio.TimeoutError | TimeoutError) and entry.spec and entry.spec.is_async:
+    if isinstance(exc, TimeoutError) and entry.spec and entry.spec.is_async:
         return _timed_out(entry, seconds)
     line, trace = describe(exc)
     return Result(entry, JobOutcome.ERROR, seconds, error=line, trace=trace)
@@ -166,15 +166,28 @@ class ThreadPool:
 
 
 class EventLoopThread:
-    """The worker's event loop, where coroutine jobs run, in a daemon thread."""
+    """The worker's event loop, where coroutine jobs run, in a daemon thread. A claim's
+    coroutines are handed over at once (one wake-up of the loop for the batch)."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="job-loop", daemon=True)
         self.thread.start()
 
-    def submit(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+    def start_all(self, batch: list[tuple["InFlight", object]], done) -> None:
+        """Run each (entry, coroutine) as a task; ``done(entry, task)`` in the loop when
+        it ends."""
+
+        def start() -> None:
+            for entry, coro in batch:
+                task = self.loop.create_task(coro)
+                entry.future = task
+                task.add_done_callback(lambda t, e=entry: done(e, t))
+
+        self.loop.call_soon_threadsafe(start)
+
+    def cancel(self, task) -> None:
+        self.loop.call_soon_threadsafe(task.cancel)
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -262,7 +275,7 @@ class JobWorker:
         finally:
             self.shutdown()
             if listener is not None:
-                listener.close()
+                listener.set()
         return self.counts
 
     def request_stop(self) -> None:
@@ -298,8 +311,8 @@ class JobWorker:
                             error="released at shutdown",
                         )
                     )
-                    if entry.future is not None:
-                        entry.future.cancel()
+                    if entry.future is not None and self.event_loop is not None:
+                        self.event_loop.cancel(entry.future)
         for _ in range(5):
             try:
                 self._record()
@@ -319,6 +332,8 @@ class JobWorker:
     def _claim(self, free: int) -> int:
         now = timezone.now()
         types = list(JOB_TYPES)
+        leases = {t: float(JOB_TYPES[t].lease_seconds) for t in types}
+        default_lease = float(settings.JOBS_LEASE_MARGIN * 2)
         rows = CLAIM_JOBS(
             {
                 "queues": self.queues,
@@ -327,22 +342,29 @@ class JobWorker:
                 "scan": min(free * 4, free + 1000),
                 "per_tenant": settings.JOBS_TENANT_CONCURRENCY,
                 "types": types,
-                "leases": [float(JOB_TYPES[t].lease_seconds) for t in types],
-                "default_lease": float(settings.JOBS_LEASE_MARGIN * 2),
+                "leases": list(leases.values()),
+                "default_lease": default_lease,
             }
         )
+        coroutines: list[tuple[InFlight, object]] = []
         for row in rows:
             claimed = Claimed(*row)
             if isinstance(claimed.payload, str):  # Django's psycopg setup loads jsonb as text
                 claimed.payload = json.loads(claimed.payload)
-            self._start(claimed, now)
+            self._start(claimed, now, leases.get(claimed.type, default_lease), coroutines)
+        if coroutines:
+            if self.event_loop is None:
+                self.event_loop = EventLoopThread()
+            self.event_loop.start_all(coroutines, self._async_done)
         self.counts["claimed"] += len(rows)
         return len(rows)
 
-    def _start(self, job: Claimed, now: datetime) -> None:
+    def _start(self, job: Claimed, now: datetime, lease: float, coroutines: list) -> None:
+        """Start a claimed job: a plain function in the pool, a coroutine added to
+        ``coroutines`` (started on the loop with the claim's others); or settle it at once
+        (unreadable, or its entity lock held by another job)."""
         spec = JOB_TYPES.get(job.type)
         running = RunningJob(id=job.id, type=job.type, attempt=job.attempt, tenant_id=job.tenant_id)
-        lease = spec.lease_seconds if spec else settings.JOBS_LEASE_MARGIN * 2
         entry = InFlight(
             job=job,
             spec=spec,
@@ -370,10 +392,7 @@ class JobWorker:
         with self.lock:
             self.in_flight[job.id] = entry
         if spec.is_async:
-            if self.event_loop is None:
-                self.event_loop = EventLoopThread()
-            entry.future = self.event_loop.submit(call_async(spec, running, payload))
-            entry.future.add_done_callback(lambda f, e=entry: self._async_done(e, f))
+            coroutines.append((entry, call_async(spec, running, payload)))
         else:
             if self.pool is None:
                 self.pool = ThreadPool(self.concurrency)
@@ -580,24 +599,19 @@ class JobWorker:
 
     def _listen(self):
         """A thread waiting for ``webhooks_jobs`` notifications (PostgreSQL): each wakes
-        the owner thread. Returns what to close, or None without notifications."""
+        the owner thread. Returns the event that ends it, or None without notifications."""
         if not wakeup.available():
             return None
         listener = wakeup.Listener(wakeup.JOBS)
         done = threading.Event()
 
         def listen() -> None:
-            while not done.is_set():
-                if listener.wait(IDLE_WAIT, done):
-                    self.wake.set()
-
-        thread = threading.Thread(target=listen, name="job-listener", daemon=True)
-        thread.start()
-
-        class Closer:
-            def close(self) -> None:
-                done.set()
-                thread.join(timeout=IDLE_WAIT + 5)
+            try:
+                while not done.is_set():
+                    if listener.wait(IDLE_WAIT, done):
+                        self.wake.set()
+            finally:
                 listener.close()
 
-        return Closer()
+        threading.Thread(target=listen, name="job-listener", daemon=True).start()
+        return done  # set: the thread ends within IDLE_WAIT, closing its connection

@@ -51,6 +51,11 @@ def noop(**_):
     return None
 
 
+@job("test.async_noop")
+async def async_noop(**_):
+    return None
+
+
 @job("test.mark", lock=lambda key="", **_: key, timeout=30)
 def mark(label="", seconds=0.0, key=""):
     started = time.time()
