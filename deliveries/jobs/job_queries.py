@@ -168,13 +168,15 @@ def _(params):
 # What one finished (or given back) job records: the row's next state, and the run.
 RECORD_FIELDS = (
     "id", "token", "state", "run_at", "error", "reason", "uncount", "reported", "done",
-    "total", "outcome", "attempt", "started", "duration_ms", "trace",
+    "total", "outcome", "attempt", "started", "duration_ms", "trace", "keep_lock",
 )  # fmt: skip
 
 # Record a batch: move each job out of running, for its lease holder only (a job whose
 # lease was lost to the sweep is left as the sweep made it), append its run ("" outcome:
 # no run, a job given back because its entity lock was held, which also gives back the
-# attempt and keeps the last error), and release its entity lock in the same statement.
+# attempt and keeps the last error), and release its entity lock in the same statement,
+# unless ``keep_lock``: the function still runs (past its timeout, or at a shutdown), and
+# the lock is the worker's to release when it returns, or to let expire.
 # ``run_at`` is read for pending only; progress (``reported``) is written when set, a
 # ``total`` of -1 meaning unknown. Params: one array per RECORD_FIELDS name, with now and
 # run_id; rows (id,) of the jobs moved.
@@ -184,9 +186,9 @@ WITH r AS (
         %(run_at)b::timestamptz[], %(error)b::text[], %(reason)b::text[], %(uncount)b::int4[],
         %(reported)b::bool[], %(done)b::int8[], %(total)b::int8[], %(outcome)b::text[],
         %(attempt)b::int4[], %(started)b::timestamptz[], %(duration_ms)b::float8[],
-        %(trace)b::text[])
+        %(trace)b::text[], %(keep_lock)b::bool[])
     AS r(id, token, state, run_at, error, reason, uncount, reported, done, total, outcome,
-        attempt, started, duration_ms, trace)
+        attempt, started, duration_ms, trace, keep_lock)
 ), moved AS (
     UPDATE trusty_jobs_job j
     SET state = r.state, lease_token = NULL, lease_until = NULL,
@@ -199,7 +201,7 @@ WITH r AS (
             ELSE j.progress_total END,
         progress_updated_at = CASE WHEN r.reported THEN %(now)s ELSE j.progress_updated_at END
     FROM r WHERE j.id = r.id AND j.state = 'running' AND j.lease_token = r.token
-    RETURNING j.id, j.lock_key, r.token
+    RETURNING j.id, j.lock_key, r.token, r.keep_lock
 ), runs AS (
     INSERT INTO trusty_jobs_jobrun (job_id, attempt, run_id, started_at, duration_ms,
         outcome, error)
@@ -207,7 +209,8 @@ WITH r AS (
     WHERE outcome <> ''
 ), unlocked AS (
     DELETE FROM deliveries_entitylock l USING moved
-    WHERE moved.lock_key <> '' AND l.key = moved.lock_key AND l.owner = moved.token::text
+    WHERE moved.lock_key <> '' AND NOT moved.keep_lock AND l.key = moved.lock_key
+        AND l.owner = moved.token::text
 )
 SELECT id FROM moved
 """)
@@ -241,7 +244,7 @@ def _(params):
             lock_key = mine.values_list("lock_key", flat=True).first()
             if mine.update(**fields):
                 moved.append((job_id,))
-                if lock_key:
+                if lock_key and not r["keep_lock"]:
                     EntityLock.objects.filter(key=lock_key, owner=str(r["token"])).delete()
             if r["outcome"]:
                 JobRun.objects.create(

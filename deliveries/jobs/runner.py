@@ -13,6 +13,7 @@ away). A coroutine past its timeout is cancelled.
 """
 
 import asyncio
+import contextlib
 import json
 import logging
 import queue
@@ -24,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from django.db import close_old_connections, connection
+from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
 from deliveries.conf import settings
@@ -51,8 +52,8 @@ from .job_queries import (
     RECORD_JOBS,
     RENEW_JOBS,
 )
-from .locks import entity_lock_acquire
-from .loop import DB_ERRORS, Backoff, reset_connection
+from .locks import entity_lock_acquire, entity_lock_release
+from .loop import DB_ERRORS, Backoff, StopFlag, reset_connection, with_db_retry
 from .models import JobOutcome
 
 logger = logging.getLogger("deliveries.jobs")
@@ -103,6 +104,8 @@ class Result:
     trace: str = ""  # the traceback, secrets masked, for the run
     retry_after: float | None = None
     reason: str = ""
+    # The function still runs: its entity lock stays until it returns (or expires).
+    keep_lock: bool = False
 
 
 def describe(exc: BaseException) -> tuple[str, str]:
@@ -125,9 +128,11 @@ def classify(entry: InFlight, exc: BaseException | None, seconds: float) -> Resu
     return Result(entry, JobOutcome.ERROR, seconds, error=line, trace=trace)
 
 
-def _timed_out(entry: InFlight, seconds: float) -> Result:
+def _timed_out(entry: InFlight, seconds: float, *, still_running: bool = False) -> Result:
     error = f"timed out after {entry.spec.timeout:g} s"
-    return Result(entry, JobOutcome.TIMEOUT, seconds, error=error, trace=error)
+    return Result(
+        entry, JobOutcome.TIMEOUT, seconds, error=error, trace=error, keep_lock=still_running
+    )
 
 
 class ThreadPool:
@@ -309,17 +314,12 @@ class JobWorker:
                             JobOutcome.RELEASED,
                             time.monotonic() - entry.t0,
                             error="released at shutdown",
+                            keep_lock=True,
                         )
                     )
                     if entry.future is not None and self.event_loop is not None:
                         self.event_loop.cancel(entry.future)
-        for _ in range(5):
-            try:
-                self._record()
-                break
-            except DB_ERRORS:
-                reset_connection()
-                time.sleep(0.5)
+        with_db_retry(self._record, StopFlag(), attempts=5)
         if self.pool is not None:
             # Threads still in a job (past its timeout, or released) are left to die
             # with the process: they are daemons.
@@ -405,7 +405,10 @@ class JobWorker:
         except BaseException as e:
             exc = e
         result = classify(entry, exc, time.monotonic() - entry.t0)
-        self._finish(entry, result)
+        if not self._finish(entry, result) and entry.job.lock_key:
+            # Recorded at its timeout with the lock kept: the function is done now.
+            with contextlib.suppress(DatabaseError):
+                entity_lock_release(key=entry.job.lock_key, owner=str(entry.job.token))
 
     def _async_done(self, entry: InFlight, future) -> None:
         if future.cancelled():
@@ -414,13 +417,17 @@ class JobWorker:
         result = classify(entry, future.exception(), time.monotonic() - entry.t0)
         self._finish(entry, result)
 
-    def _finish(self, entry: InFlight, result: Result | None) -> None:
+    def _finish(self, entry: InFlight, result: Result | None) -> bool:
+        """The job's function returned: free its slot, and take ``result`` unless its
+        outcome was settled already (a timeout, a release). Returns whether it was taken."""
+        taken = False
         with self.lock:
             self.in_flight.pop(entry.job.id, None)
             if result is not None and not entry.settled:
-                entry.settled = True
+                entry.settled = taken = True
                 self.finished.append(result)
         self.wake.set()
+        return taken
 
     def _settle(self, entry: InFlight, result: Result) -> None:
         with self.lock:
@@ -439,7 +446,7 @@ class JobWorker:
                     if entry.spec.is_async and now < entry.timeout_at + 5:
                         continue  # wait_for cancels it; this is for one that ignores that
                     entry.settled = True
-                    self.finished.append(_timed_out(entry, now - entry.t0))
+                    self.finished.append(_timed_out(entry, now - entry.t0, still_running=True))
 
     def _wait_time(self) -> float:
         soonest = IDLE_WAIT
@@ -493,6 +500,7 @@ class JobWorker:
                 "started": r.entry.started,
                 "duration_ms": round(r.seconds * 1000, 3),
                 "trace": r.trace or r.error,
+                "keep_lock": r.keep_lock,
             }
             for name in RECORD_FIELDS:
                 params[name].append(values[name])
@@ -548,22 +556,37 @@ class JobWorker:
 
     def _renew(self) -> None:
         """Extend the leases ending within half their length, write reported progress,
-        and renew the entity locks of the jobs renewed."""
+        and renew the entity locks of the jobs renewed, and those of functions still
+        running past their recorded timeout (so that no job on their entity starts
+        before they return)."""
         clock = time.monotonic()
         if clock < self.next_renew:
             return
         self.next_renew = clock + RENEW_EVERY
         now = timezone.now()
         due: list[tuple[InFlight, datetime]] = []
+        overrunning: list[InFlight] = []
         with self.lock:
             for entry in self.in_flight.values():
-                if entry.settled or entry.spec is None:
+                if entry.spec is None:
                     continue
                 lease = entry.spec.lease_seconds
+                if entry.settled:
+                    if entry.job.lock_key and (entry.lease_until - now).total_seconds() < lease / 2:
+                        overrunning.append(entry)
+                    continue
                 report = (entry.running.done, entry.running.total)
                 progressed = entry.running.reported and report != entry.last_progress
                 if progressed or (entry.lease_until - now).total_seconds() < lease / 2:
                     due.append((entry, now + timedelta(seconds=lease)))
+        for entry in overrunning:
+            entry.lease_until = now + timedelta(seconds=entry.spec.lease_seconds)
+            entity_lock_acquire(
+                key=entry.job.lock_key,
+                owner=str(entry.job.token),
+                ttl=entry.spec.lease_seconds,
+                now=now,
+            )
         if not due:
             return
         params = {"id": [], "token": [], "until": [], "reported": [], "done": [], "total": []}

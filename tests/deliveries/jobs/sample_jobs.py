@@ -71,6 +71,22 @@ def _mark_and_close(label: str, started: float) -> None:
         connection.close()
 
 
+@job("test.overrun", lock=lambda key="", **_: key, timeout=0.3, max_attempts=1)
+def overrun(label="", seconds=0.0, key=""):
+    """Runs past its timeout, under an entity lock."""
+    started = time.time()
+    time.sleep(seconds)
+    _mark(label, started)
+
+
+@job("test.long", timeout=None)
+def long(label="", seconds=0.0):
+    """No timeout: its lease is renewed while it runs."""
+    started = time.time()
+    time.sleep(seconds)
+    _mark(label, started)
+
+
 @job("test.async_mark")
 async def async_mark(label="", seconds=0.0):
     started = time.time()

@@ -266,6 +266,88 @@ def test_a_job_past_its_deadline_is_never_run_and_goes_dead():
     assert state_of(on_time).state == JobState.DONE
 
 
+def in_background(worker: JobWorker, **options) -> threading.Thread:
+    """``worker.run`` in a thread of its own until ``request_stop``."""
+
+    def run() -> None:
+        try:
+            worker.run(**options)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+@both
+def test_progress_is_written_while_the_job_runs():
+    job = enqueue("test.slow", {"label": "p", "seconds": 3})
+    worker = JobWorker(concurrency=1)
+    thread = in_background(worker)
+    try:
+        poll(
+            lambda: Job.objects.filter(
+                id=job.id, state=JobState.RUNNING, progress_done=1, progress_total=2
+            ).exists(),
+            timeout=10,
+            what="the progress reported midway",
+        )
+    finally:
+        worker.request_stop()
+        thread.join()
+    row = state_of(job)
+    assert (row.state, row.progress_done, row.progress_total) == (JobState.DONE, 1, 2)
+
+
+@both
+def test_a_long_jobs_lease_is_renewed_while_it_runs(settings):
+    settings.JOBS_LEASE_MARGIN = 0.5  # a job without a timeout: a lease of 1 s
+    job = enqueue("test.long", {"label": "long", "seconds": 3})
+    worker = JobWorker(concurrency=1)
+    thread = in_background(worker)
+    expired = 0
+    try:
+        poll(lambda: state_of(job).state == JobState.RUNNING, what="the job running")
+        while state_of(job).state == JobState.RUNNING:
+            expired += jobs_schedule(timezone.now(), 100)[0]["lease_expired"]
+            time.sleep(0.1)
+    finally:
+        worker.request_stop()
+        thread.join()
+    assert expired == 0
+    row = state_of(job)
+    assert (row.state, row.attempts) == (JobState.DONE, 1)
+
+
+@both
+def test_a_job_past_its_timeout_keeps_its_entity_lock_until_it_returns(settings):
+    settings.JOBS_LOCK_RETRY = 0.05
+    first = enqueue("test.overrun", {"label": "overrun", "seconds": 1.5, "key": "order:1"})
+    second = enqueue("test.mark", {"label": "next", "key": "order:1"})
+    work(concurrency=2)  # records the overrun's timeout at 0.3 s, then waits for "next"
+    poll(lambda: marks("overrun"), timeout=10, what="the overrunning function returned")
+    make_due()
+    work(concurrency=2)
+    assert state_of(first).state == JobState.DEAD
+    assert state_of(second).state == JobState.DONE
+    [(_, _, _, _, _, overrun_ended)] = marks("overrun")
+    [(_, _, _, _, next_started, _)] = marks("next")
+    assert next_started >= overrun_ended
+
+
+@both
+def test_run_jobs_once_runs_one_claim_of_the_named_queues():
+    from django.core.management import call_command
+
+    for queue in ("a", "b", "c", "other"):
+        enqueue("test.mark", {"label": queue}, queue=queue)
+    enqueue("test.mark", {"label": "a-later"}, queue="a")
+    call_command("run_jobs", "--once", "--queue", "a,b", "--queue", "c", "--concurrency", "3")
+    assert sorted(m[2] for m in marks()) == ["a", "b", "c"]
+    assert Job.objects.filter(state=JobState.PENDING).count() == 2
+
+
 @both
 def test_progress_is_written_to_the_row():
     job = enqueue("test.slow", {"label": "p", "seconds": 0.02})
