@@ -18,7 +18,7 @@ import uuid
 from collections import Counter
 from datetime import datetime, timedelta
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import F, Q
 from psycopg.types.json import Jsonb
 
@@ -65,7 +65,9 @@ def job_insert(fields: dict) -> tuple[Job, bool]:
     row and whether it is new. With an idempotency key that exists: the existing job."""
     inserted = INSERT_JOB({**fields, "payload": Jsonb(fields["payload"])})
     if inserted is not None:
-        return Job(state=PENDING, attempts=0, **fields), True
+        row = Job(state=PENDING, attempts=0, **fields)
+        row._state.adding, row._state.db = False, connection.alias  # a row, as if read
+        return row, True
     return Job.objects.get(type=fields["type"], idempotency_key=fields["idempotency_key"]), False
 
 

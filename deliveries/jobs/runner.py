@@ -410,12 +410,11 @@ class JobWorker:
             with contextlib.suppress(DatabaseError):
                 entity_lock_release(key=entry.job.lock_key, owner=str(entry.job.token))
 
-    def _async_done(self, entry: InFlight, future) -> None:
-        if future.cancelled():
-            self._finish(entry, None)
-            return
-        result = classify(entry, future.exception(), time.monotonic() - entry.t0)
-        self._finish(entry, result)
+    def _async_done(self, entry: InFlight, task) -> None:
+        # Cancelled by the worker (a release), its outcome is settled already; cancelled
+        # from within, it is an error like any other.
+        exc = asyncio.CancelledError() if task.cancelled() else task.exception()
+        self._finish(entry, classify(entry, exc, time.monotonic() - entry.t0))
 
     def _finish(self, entry: InFlight, result: Result | None) -> bool:
         """The job's function returned: free its slot, and take ``result`` unless its
