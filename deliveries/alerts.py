@@ -14,9 +14,10 @@ ordinary event to the ALERTS_TENANT's endpoints (signed, retried and logged like
 delivery). The email goes after the commit, at most once.
 """
 
+import contextlib
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from urllib.parse import urlsplit
@@ -139,13 +140,22 @@ def checkpoint(name: str, now: datetime, *, first_lookback: float = 60.0) -> Ale
     return AlertCheckpoint.objects.select_for_update().get(name=name)
 
 
+@contextlib.contextmanager
+def checked_since(name: str, now: datetime) -> Iterator[datetime]:
+    """The interval a check counts: yields the end of the previous one, under the named
+    checkpoint's lock, and moves the checkpoint to ``now`` when the block ends."""
+    with transaction.atomic():
+        mark = checkpoint(name, now)
+        yield mark.checked_at
+        mark.checked_at = now
+        mark.save(update_fields=["checked_at"])
+
+
 def dead_letter_check(now: datetime) -> list[Signal]:
     """Deliveries that went dead since the previous check (index delivery_dead; the
     alerts tenant's own deliveries are left out, so a dead operator endpoint does not
     report itself)."""
-    with transaction.atomic():
-        mark = checkpoint("dead_letters", now)
-        since = mark.checked_at
+    with checked_since("dead_letters", now) as since:
         dead = Delivery.objects.filter(
             state=DeliveryState.DEAD, finished_at__gt=since, finished_at__lte=now
         )
@@ -154,8 +164,6 @@ def dead_letter_check(now: datetime) -> list[Signal]:
         by_endpoint = list(
             dead.values_list("endpoint_id").annotate(n=Count("id")).order_by("-n")[:1000]
         )
-        mark.checked_at = now
-        mark.save(update_fields=["checked_at"])
     total = sum(n for _, n in by_endpoint)
     if total < settings.ALERTS_DEAD_LETTER_THRESHOLD:
         return []
@@ -175,6 +183,39 @@ def dead_letter_check(now: datetime) -> list[Signal]:
 
 
 register_check("dead_letters", dead_letter_check)
+
+
+def dead_job_check(now: datetime) -> list[Signal]:
+    """The host's background jobs that went dead since the previous check (index
+    job_dead), counted by type, with the latest ten and their reasons."""
+    from .jobs.models import Job, JobState
+
+    with checked_since("dead_jobs", now) as since:
+        dead = Job.objects.filter(state=JobState.DEAD, finished_at__gt=since, finished_at__lte=now)
+        by_type = list(dead.values_list("type").annotate(n=Count("id")).order_by("-n")[:1000])
+        latest = list(dead.order_by("-finished_at").values_list("type", "id", "dead_reason")[:10])
+    total = sum(n for _, n in by_type)
+    if not total or total < settings.ALERTS_DEAD_LETTER_THRESHOLD:
+        return []
+    return [
+        Signal(
+            kind=Kind.DEAD_JOBS,
+            key="all",
+            summary=f"{total} background jobs dead since {since.isoformat()}",
+            details={
+                "count": total,
+                "since": since.isoformat(),
+                "until": now.isoformat(),
+                "types": dict(by_type[:10]),
+                "latest": [
+                    {"type": t, "job_id": str(i), "reason": reason[:200]} for t, i, reason in latest
+                ],
+            },
+        )
+    ]
+
+
+register_check("dead_jobs", dead_job_check)
 
 
 # --- Running and notifying ---------------------------------------------------------------

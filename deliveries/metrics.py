@@ -99,8 +99,8 @@ def delivery_gauges(now: float) -> Iterable[Metric]:
     beats = GaugeMetricFamily(
         "webhooks_loop_heartbeat_age_seconds",
         "Seconds since the freshest heartbeat of a long-running command (scheduler, relay, "
-        "workers, poll loop), refreshed every LOOP_HEARTBEAT_SECONDS while it runs, busy or "
-        "idle (absent: none has run). Index looprun_kind_started.",
+        "workers, poll loop, run_jobs), refreshed every LOOP_HEARTBEAT_SECONDS while it "
+        "runs, busy or idle (absent: none has run). Index looprun_kind_started.",
         labels=["kind"],
     )
     for kind in LoopRun.Kind.values:

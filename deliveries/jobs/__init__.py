@@ -17,6 +17,12 @@ each keeps its own table and state rules, and uses only this interface:
 - ids, raw SQL and crash points: ``ids.uuid7``, ``sql.bound_cursor``,
   ``faults.crash_point``.
 
+The host's own background jobs are a third kind, ``job``, with their own table (``Job``,
+``JobRun``): ``background`` (``job``, ``enqueue``, ``Retry``, ``Fail``, ``current_job``)
+is the host's interface, ``runner`` the ``run_jobs`` worker, ``job_queries`` their
+statements and the only module that changes a job's state (docs/jobs.md). The committed
+job row is the queue entry: no outbox, relay or broker between them.
+
 Its own fast-path statements (the broker's, the locks' and the relay's) are in
 ``queries``, each once by name with its ORM spelling beside it (``sql.Statement``).
 
@@ -24,7 +30,9 @@ Its models (the outbox, the database broker's queue, entity locks and loop runs)
 this app's (label ``trusty_jobs``) and keep their tables' names.
 
 Nothing here imports the products' modules (``deliveries``' models, state machine and
-services, or ``ingest``); only the package's settings (``deliveries.conf``) and tracing.
+services, or ``ingest``); only the package's settings (``deliveries.conf``), tracing, the
+text rules (``deliveries.text``, for masking secrets in a job's traceback) and, when a
+job's retry is computed, the shared ``deliveries.policy.RetryPolicy``.
 The kinds register themselves from their AppConfig.ready. (Modules are imported by
 name; this package's ``__init__`` imports nothing, as Django loads it before the models
 are ready.)

@@ -33,6 +33,7 @@ LONG_RUNNING = {
     "run_scheduler": ("scheduler", ()),
     "run_relay": ("relay", ()),
     "run_workers": ("workers", ()),
+    "run_jobs": ("jobs", ()),
     "poll": ("poll", ("crm", "--interval", "3600")),
 }
 BEATS_ITS_OWN_RUN = {"backfill"}

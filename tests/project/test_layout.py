@@ -7,8 +7,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = ROOT / "deliveries" / "jobs"
-# What the machinery may import of the deliveries package besides itself.
-SHARED = {"deliveries.conf", "deliveries.tracing"}
+# What the machinery may import of the deliveries package besides itself: the settings,
+# tracing, and two pure modules the products share with it: the retry rule every kind
+# retries by (deliveries.policy.RetryPolicy, for the host's background jobs) and the text
+# rules, whose secret masking a job's stored traceback goes through.
+SHARED = {"deliveries.conf", "deliveries.tracing", "deliveries.policy", "deliveries.text"}
 TABLES = re.compile(r"deliveries_(outbox|queuemessage|entitylock|looprun)\b")
 
 
