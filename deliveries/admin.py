@@ -37,7 +37,7 @@ from .models import (
     OperationalEvent,
     Tenant,
 )
-from .selectors import delivery_explain
+from .selectors import delivery_explain, tenant_choices
 
 STATE_COLOURS = {
     DeliveryState.PENDING: "#b7791f",
@@ -117,7 +117,7 @@ class TenantFilter(admin.SimpleListFilter):
     field = "tenant_id"
 
     def lookups(self, request, model_admin):
-        return [(str(t.id), t.name) for t in Tenant.objects.order_by("name")[:200]]
+        return tenant_choices()
 
     def queryset(self, request, queryset):
         value = _uuid(self.value())
