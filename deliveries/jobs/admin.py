@@ -17,13 +17,36 @@ from django.utils.html import format_html
 
 from . import services
 from .background import JOB_TYPES
+from .confirm import Operation, Selection, confirm_operation
 from .models import Job, JobRun, JobState, RecurringJob
 from .selectors import job_progress
 
 MAX_SELECTED = 10_000
+JOB_OPERATIONS = {
+    "replay": Operation(
+        name="replay",
+        noun=("job", "jobs"),
+        type_label="job type",
+        explanation="Each dead job goes back to <em>pending</em>, due now, with the "
+        "<strong>same id</strong> and a fresh budget of attempts (its deadline cleared); "
+        "its earlier runs stay. Jobs that are not dead are left alone.",
+        done="returned to pending",
+        unsafe_warning="Some of these job types are not marked replay-safe: running one "
+        "again may repeat a side effect its function does not guard against.",
+    ),
+    "cancel": Operation(
+        name="cancel",
+        noun=("job", "jobs"),
+        type_label="job type",
+        explanation="Pending jobs become <em>dead</em> (cancelled by an operator). A running "
+        "job cannot be recalled.",
+        done="cancelled",
+    ),
+}
 
 
-def _uuid(value):
+def uuid_or_none(value):
+    """A list filter's or a search's value as a UUID, or None when it is none."""
     try:
         return uuid.UUID(str(value)) if value else None
     except ValueError:
@@ -55,15 +78,19 @@ class QueueFilter(admin.SimpleListFilter):
 
 
 class TenantFilter(admin.SimpleListFilter):
+    """The first 200 tenants by name, from the app that owns them (the deliveries app
+    registers them: ``services.register_tenant_choices``); ``field`` is the lookup."""
+
     title = "tenant"
     parameter_name = "tenant"
+    field = "tenant_id"
 
     def lookups(self, request, model_admin):
         return services.tenant_choices()
 
     def queryset(self, request, queryset):
-        value = _uuid(self.value())
-        return queryset.filter(tenant_id=value) if value else queryset
+        value = uuid_or_none(self.value())
+        return queryset.filter(**{self.field: value}) if value else queryset
 
 
 class ReadOnlyInline(admin.TabularInline):
@@ -170,7 +197,7 @@ class JobAdmin(admin.ModelAdmin):
         term = search_term.strip()
         if not term:
             return queryset, False
-        as_uuid = _uuid(term)
+        as_uuid = uuid_or_none(term)
         if as_uuid:
             return queryset.filter(id=as_uuid), False
         return queryset.filter(idempotency_key=term), False
@@ -203,44 +230,28 @@ class JobAdmin(admin.ModelAdmin):
 
     def _confirm(self, request, queryset, operation):
         """A confirmation page first; replaying a type not replay-safe (or not registered
-        here) needs the extra confirmation, as for deliveries. Returns None once done."""
+        here) needs the extra confirmation, as for deliveries (``confirm``). Returns None
+        once done."""
         ids = list(queryset.values_list("id", flat=True)[: MAX_SELECTED + 1])
         if len(ids) > MAX_SELECTED:
             self.message_user(request, f"Select at most {MAX_SELECTED:,} jobs.", messages.ERROR)
             return None
         types = Counter(Job.objects.filter(id__in=ids).values_list("type", flat=True))
-        safe = {t for t in types if t in JOB_TYPES and JOB_TYPES[t].replay_safe}
-        needs_extra = operation == "replay" and any(t not in safe for t in types)
-        if request.POST.get("confirm") == "yes":
-            if needs_extra and request.POST.get("unsafe_confirmed") != "yes":
-                self.message_user(
-                    request,
-                    "Replaying job types not marked replay-safe needs the extra confirmation.",
-                    messages.ERROR,
-                )
-            else:
-                service = services.job_replay if operation == "replay" else services.job_cancel
-                n = service(job_ids=ids, actor=request.user, via="admin")
-                verb = "returned to pending" if operation == "replay" else "cancelled"
-                self.message_user(request, f"{n} of {len(ids)} jobs {verb}.", messages.SUCCESS)
-                return None
-        context = {
-            **self.admin_site.each_context(request),
-            "title": f"Confirm {operation}",
-            "operation": operation,
-            "count": len(ids),
-            "types": [
-                (t, n, t in safe, JOB_TYPES[t].owner if t in JOB_TYPES else "")
-                for t, n in types.most_common()
-            ],
-            "needs_extra": needs_extra,
-            "ids": ids,
-            "action": f"{operation}_selected",
-            "opts": self.model._meta,
-            "action_checkbox_name": admin.helpers.ACTION_CHECKBOX_NAME,
-            "back": reverse("admin:trusty_jobs_job_changelist"),
-        }
-        return TemplateResponse(request, "admin/trusty_jobs/confirm_action.html", context)
+        selection = Selection(
+            ids=ids,
+            types=types,
+            safe={t for t in types if t in JOB_TYPES and JOB_TYPES[t].replay_safe},
+            owners={t: JOB_TYPES[t].owner for t in types if t in JOB_TYPES},
+        )
+        service = services.job_replay if operation == "replay" else services.job_cancel
+        return confirm_operation(
+            self,
+            request,
+            JOB_OPERATIONS[operation],
+            selection,
+            run=lambda ids: service(job_ids=ids, actor=request.user, via="admin"),
+            back=reverse("admin:trusty_jobs_job_changelist"),
+        )
 
     def get_urls(self):
         return [
