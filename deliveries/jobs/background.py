@@ -318,10 +318,10 @@ async def call_async(spec: JobType, running: RunningJob, payload: dict):
 
 
 def jobs_schedule(now: datetime, page_size: int) -> tuple[Counter, bool]:
-    """Return expired leases to pending (dead when their attempts are spent) and end
-    pending jobs past their deadline dead with the reason "deadline passed", and enqueue the
-    recurring jobs' due ticks (``recurring``). Returns the
-    counts and whether a full page suggests more."""
+    """Return expired leases to pending (dead when their attempts are spent), end
+    pending jobs past their deadline dead with the reason "deadline passed", and enqueue
+    the recurring jobs' due ticks (``recurring``). Returns the counts and whether a full
+    page suggests more."""
     from .job_queries import expire_deadlines, expire_leases
 
     counts = Counter()

@@ -33,12 +33,13 @@ def tick_key(name: str, tick: datetime) -> str:
 def recurring_schedule(now: datetime, page_size: int) -> tuple[int, bool]:
     """Enqueue the due ticks of a page of recurring jobs; returns (ticks enqueued, whether
     the page was full). Part of the ``job`` kind's schedule."""
+    due = RecurringJob.objects.filter(enabled=True, next_tick_at__lte=now)
+    # Most sweeps find nothing due: one read, no transaction (on SQLite a transaction
+    # takes the write lock, which the workers' statements would wait for).
+    if not due.exists():
+        return 0, False
     with transaction.atomic():
-        due = list(
-            RecurringJob.objects.select_for_update(skip_locked=True)
-            .filter(enabled=True, next_tick_at__lte=now)
-            .order_by("next_tick_at")[:page_size]
-        )
+        due = list(due.select_for_update(skip_locked=True).order_by("next_tick_at")[:page_size])
         enqueued = sum(_schedule_one(row, now) for row in due)
     return enqueued, len(due) >= page_size
 
