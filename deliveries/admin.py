@@ -4,7 +4,6 @@ model; every action that changes anything declares its own permission (``permiss
 listed in docs/operations.md, "Admin permissions"."""
 
 import json
-import uuid
 from collections import Counter
 from datetime import timedelta
 
@@ -23,6 +22,9 @@ from django_q import admin as q_admin  # registers django-q2's admins, replaced 
 from django_q.models import Failure, Success
 
 from . import services
+from .jobs.admin import TenantFilter
+from .jobs.admin import uuid_or_none as _uuid
+from .jobs.confirm import Operation, Selection, confirm_operation
 from .jobs.models import LoopRun
 from .models import (
     ApiKey,
@@ -45,6 +47,29 @@ STATE_COLOURS = {
     DeliveryState.LEASED: "#6b46c1",
     DeliveryState.SUCCEEDED: "#2f855a",
     DeliveryState.DEAD: "#c53030",
+}
+
+
+DELIVERY_OPERATIONS = {
+    "replay": Operation(
+        name="replay",
+        noun=("delivery", "deliveries"),
+        type_label="event type",
+        explanation="Each goes back to <em>pending</em>, due now, with a fresh retry budget "
+        "and the <strong>same webhook-id</strong>, so receivers can recognise a copy. "
+        "Deliveries in flight are left alone.",
+        done="returned to pending",
+        unsafe_warning="Some of these event types are not marked replay-safe: a receiver "
+        "that is not idempotent for them may act twice.",
+    ),
+    "cancel": Operation(
+        name="cancel",
+        noun=("delivery", "deliveries"),
+        type_label="event type",
+        explanation="Pending and enqueued deliveries become <em>dead</em> (cancelled). A "
+        "delivery mid-request cannot be recalled.",
+        done="cancelled",
+    ),
 }
 
 
@@ -111,19 +136,6 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 # --- Filters ---------------------------------------------------------------------------
 
 
-class TenantFilter(admin.SimpleListFilter):
-    title = "tenant"
-    parameter_name = "tenant"
-    field = "tenant_id"
-
-    def lookups(self, request, model_admin):
-        return [(str(t.id), t.name) for t in Tenant.objects.order_by("name")[:200]]
-
-    def queryset(self, request, queryset):
-        value = _uuid(self.value())
-        return queryset.filter(**{self.field: value}) if value else queryset
-
-
 class DeliveryTenantFilter(TenantFilter):
     # The listing's (tenant, delivery) index: the delivery row has none on its tenant.
     field = "listing__tenant_id"
@@ -160,13 +172,6 @@ class EventTypeFilter(admin.SimpleListFilter):
 
     def queryset(self, request, queryset):
         return queryset.filter(event__event_type=self.value()) if self.value() else queryset
-
-
-def _uuid(value):
-    try:
-        return uuid.UUID(str(value)) if value else None
-    except ValueError:
-        return None
 
 
 # --- Deliveries ------------------------------------------------------------------------
@@ -360,8 +365,9 @@ class DeliveryAdmin(ReadOnlyAdmin):
 
     def _confirm(self, request, queryset, operation, back=""):
         """The one rule for replaying and cancelling, from the action and the delivery
-        page's button alike: a confirmation page first, and for a replay of any event
-        type not marked replay-safe an extra confirmation. Returns None once done."""
+        page's button alike (deliveries.jobs.confirm): a confirmation page first, and for
+        a replay of any event type not marked replay-safe an extra confirmation. Returns
+        None once done."""
         ids = list(queryset.values_list("id", flat=True)[:10_001])
         if len(ids) > 10_000:
             self.message_user(request, "Select at most 10,000 deliveries.", messages.ERROR)
@@ -369,44 +375,22 @@ class DeliveryAdmin(ReadOnlyAdmin):
         types = Counter(
             Delivery.objects.filter(id__in=ids).values_list("event__event_type", flat=True)
         )
-        safe = set(
-            EventType.objects.filter(name__in=types, replay_safe=True).values_list(
-                "name", flat=True
-            )
+        known = EventType.objects.filter(name__in=types)
+        selection = Selection(
+            ids=ids,
+            types=types,
+            safe=set(known.filter(replay_safe=True).values_list("name", flat=True)),
+            owners=dict(known.values_list("name", "owner")),
         )
-        unsafe = sorted(t for t in types if t not in safe)
-        needs_extra = operation == "replay" and bool(unsafe)
-        if request.POST.get("confirm") == "yes":
-            if needs_extra and request.POST.get("unsafe_confirmed") != "yes":
-                self.message_user(
-                    request,
-                    "Replaying event types not marked replay-safe needs the extra confirmation.",
-                    messages.ERROR,
-                )
-            else:
-                service = (
-                    services.delivery_replay if operation == "replay" else services.delivery_cancel
-                )
-                n = service(delivery_ids=ids, actor=request.user, via="admin")
-                verb = "returned to pending" if operation == "replay" else "cancelled"
-                self.message_user(
-                    request, f"{n} of {len(ids)} deliveries {verb}.", messages.SUCCESS
-                )
-                return None
-        context = {
-            **self.admin_site.each_context(request),
-            "title": f"Confirm {operation}",
-            "operation": operation,
-            "count": len(ids),
-            "types": [(t, n, t in safe) for t, n in types.most_common()],
-            "needs_extra": needs_extra,
-            "ids": ids,
-            "action": f"{operation}_selected",
-            "opts": self.model._meta,
-            "action_checkbox_name": admin.helpers.ACTION_CHECKBOX_NAME,
-            "back": back or reverse("admin:deliveries_delivery_changelist"),
-        }
-        return TemplateResponse(request, "admin/deliveries/confirm_action.html", context)
+        service = services.delivery_replay if operation == "replay" else services.delivery_cancel
+        return confirm_operation(
+            self,
+            request,
+            DELIVERY_OPERATIONS[operation],
+            selection,
+            run=lambda ids: service(delivery_ids=ids, actor=request.user, via="admin"),
+            back=back or reverse("admin:deliveries_delivery_changelist"),
+        )
 
     def get_urls(self):
         return [

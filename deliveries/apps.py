@@ -14,15 +14,23 @@ class DeliveriesConfig(AppConfig):
 
         from . import (
             checks,  # noqa: F401  (registers the system checks)
+            services,
             tracing,
         )
         from .jobs import kinds
+        from .jobs import services as job_services
+        from .jobs.metrics import job_gauges
         from .metrics import delivery_gauges
         from .queries import DELIVERY_KIND
-        from .selectors import delivery_trace_contexts
+        from .selectors import delivery_trace_contexts, tenant_choices
 
         tracing.configure()
         register_provider("deliveries", delivery_gauges)
+        # The background jobs' gauges, and the audit rows and tenant names their admin
+        # needs: the machinery imports no product module, so the product hands them over.
+        register_provider("jobs", job_gauges)
+        job_services.register_audit(services.audit)
+        job_services.register_tenant_choices(tenant_choices)
         # Deliveries are a job kind whose admission and sending the scheduler and the
         # workers' lanes own; the relay reads their trace contexts through the kind.
         kinds.register(kinds.JobKind(DELIVERY_KIND, trace_contexts=delivery_trace_contexts))

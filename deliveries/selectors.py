@@ -15,7 +15,7 @@ from . import queries
 from .egress import EgressPolicy, IPNetwork
 from .jobs.models import LoopRun, Outbox
 from .jobs.outbox import message_key
-from .models import Delivery, DeliveryState
+from .models import Delivery, DeliveryState, Tenant
 from .queries import DELIVERY_KIND
 
 logger = logging.getLogger("deliveries.selectors")
@@ -209,3 +209,10 @@ def delivery_trace_contexts(delivery_ids: list[uuid.UUID]) -> dict[uuid.UUID, st
         .exclude(event__trace_context="")
         .values_list("id", "event__trace_context")
     )
+
+
+def tenant_choices(limit: int = 200) -> list[tuple[str, str]]:
+    """(id, name) of the first tenants by name: the choices of the admin's tenant
+    filters (the background jobs' too, through deliveries.jobs.services)."""
+    tenants = Tenant.objects.order_by("name").values_list("id", "name")[:limit]
+    return [(str(i), name) for i, name in tenants]

@@ -89,7 +89,10 @@ SCHEMA_SETTINGS = {
     "TITLE": "Webhooks API",
     "DESCRIPTION": "Endpoints, events and delivery history for one tenant.",
     "VERSION": "1.0.0",
-    "ENUM_NAME_OVERRIDES": {"OutcomeEnum": "deliveries.models.Outcome"},
+    "ENUM_NAME_OVERRIDES": {
+        "OutcomeEnum": "deliveries.models.Outcome",
+        "JobStateEnum": "deliveries.jobs.models.JobState",
+    },
     # Swagger UI served from this app, not a CDN: /api/docs/ works offline.
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",

@@ -1,12 +1,15 @@
 """Input and output shapes of the customer API. No secret appears in any output except
 the endpoint secret in the answers to create and rotate-secret, once."""
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from deliveries.conf import settings
 
 from ..egress import validate_endpoint_url
 from ..headers import MAX_VALUE_LENGTH, validate_endpoint_headers
+from ..jobs.models import Job
+from ..jobs.selectors import job_progress
 from ..models import Attempt, Delivery, Endpoint, Event
 from ..selectors import delivery_explain, egress_policy_for
 from .parsers import StrictJSONField
@@ -168,3 +171,42 @@ class RecoverInput(serializers.Serializer):
 
 class CountOutput(serializers.Serializer):
     count = serializers.IntegerField()
+
+
+class JobProgressOutput(serializers.Serializer):
+    done = serializers.IntegerField(allow_null=True)
+    total = serializers.IntegerField(allow_null=True)
+    rate = serializers.FloatField(allow_null=True, help_text="Items a second in this run.")
+    eta_seconds = serializers.FloatField(
+        allow_null=True, help_text="Seconds left at that rate; null unless running with a total."
+    )
+
+
+class JobOutput(serializers.ModelSerializer):
+    progress = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Job
+        fields = [
+            "id",
+            "type",
+            "state",
+            "attempts",
+            "max_attempts",
+            "progress",
+            "run_at",
+            "created_at",
+            "started_at",
+            "finished_at",
+            "dead_reason",
+        ]
+
+    @extend_schema_field(JobProgressOutput)
+    def get_progress(self, job) -> dict:
+        p = job_progress(job)
+        return {
+            "done": p.done,
+            "total": p.total,
+            "rate": None if p.rate is None else round(p.rate, 3),
+            "eta_seconds": None if p.eta_seconds is None else round(p.eta_seconds, 1),
+        }

@@ -13,6 +13,7 @@ from rest_framework.decorators import action
 from rest_framework.response import Response
 
 from .. import services
+from ..jobs.models import Job
 from ..models import Attempt, Delivery, DeliveryState, Endpoint, EndpointSecret, Event
 from ..text import text_problem
 from . import serializers as s
@@ -221,3 +222,12 @@ class DeliveryViewSet(
                 tenant=self.tenant, since=data.validated_data["since"], endpoint_id=endpoint_id
             )
         return Response({"count": count}, status=status.HTTP_202_ACCEPTED)
+
+
+class JobViewSet(TenantScoped, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    # A background job's state and progress, for a front end to poll: the caller's
+    # tenant's jobs only (enqueue(..., tenant=)); another tenant's id is a 404.
+    serializer_class = s.JobOutput
+
+    def get_queryset(self):
+        return Job.objects.filter(tenant_id=getattr(self.tenant, "id", None))

@@ -21,7 +21,11 @@ The host's own background jobs are a third kind, ``job``, with their own table (
 ``JobRun``): ``background`` (``job``, ``enqueue``, ``Retry``, ``Fail``, ``current_job``)
 is the host's interface, ``runner`` the ``run_jobs`` worker, ``job_queries`` their
 statements and the only module that changes a job's state (docs/jobs.md). The committed
-job row is the queue entry: no outbox, relay or broker between them.
+job row is the queue entry: no outbox, relay or broker between them. Around them:
+``recurring`` (``RecurringJob`` rows enqueued by the scheduler's sweep, their cron read
+by ``cron``), ``services`` (the operators' replay and cancel, audited through the writer
+the deliveries app registers), ``selectors`` (a job's progress), ``admin`` and
+``metrics`` (whose gauges the deliveries app registers with its scrape).
 
 Its own fast-path statements (the broker's, the locks' and the relay's) are in
 ``queries``, each once by name with its ORM spelling beside it (``sql.Statement``).
@@ -31,8 +35,9 @@ this app's (label ``trusty_jobs``) and keep their tables' names.
 
 Nothing here imports the products' modules (``deliveries``' models, state machine and
 services, or ``ingest``); only the package's settings (``deliveries.conf``), tracing, the
-text rules (``deliveries.text``, for masking secrets in a job's traceback) and, when a
-job's retry is computed, the shared ``deliveries.policy.RetryPolicy``.
+text rules (``deliveries.text``, for masking secrets in a job's traceback), the
+time-zone rule (``deliveries.timezones``, a recurring job's zone) and, when a job's retry
+is computed, the shared ``deliveries.policy.RetryPolicy``.
 The kinds register themselves from their AppConfig.ready. (Modules are imported by
 name; this package's ``__init__`` imports nothing, as Django loads it before the models
 are ready.)

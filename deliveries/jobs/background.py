@@ -79,6 +79,10 @@ class JobType:
     version: int = 1
     # Readers of older payload versions: version -> fn(payload) -> payload of ``version``.
     readers: dict[int, Callable[[dict], dict]] = field(default_factory=dict)
+    # Who to ask about it, and whether an operator may run a dead one again without a
+    # second confirmation (the admin's replay, as EventType.replay_safe for deliveries).
+    owner: str = ""
+    replay_safe: bool = True
 
     def __post_init__(self) -> None:
         self.is_async = inspect.iscoroutinefunction(self.fn)
@@ -164,13 +168,17 @@ def job(
     retry: "RetryPolicy | Mapping | None" = None,
     lock: Callable[..., str] | None = None,
     version: int = 1,
+    owner: str = "",
+    replay_safe: bool = True,
 ) -> Callable[[Callable], JobFunction]:
     """Register the decorated function as the job type ``name``. It is called with the
     payload as keyword arguments: a plain function in a thread of the worker, an
     ``async def`` on the worker's event loop. ``retry``: a ``RetryPolicy``, or its
     parameters (``{"schedule": (1, 10, 60)}``); None, the shared default
     (``DELIVERY_RETRY_*``). ``lock``: the entity key, from the payload's arguments, of an
-    entity lock the job runs under (two jobs with one key never overlap)."""
+    entity lock the job runs under (two jobs with one key never overlap). ``owner`` and
+    ``replay_safe``: shown in the admin; replaying a type not replay-safe there needs a
+    second confirmation."""
     if max_attempts < 1:
         raise ValueError("max_attempts must be at least 1")
     if timeout is not None and not 0 < timeout < math.inf:
@@ -193,6 +201,8 @@ def job(
             retry=retry,
             lock=lock,
             version=version,
+            owner=owner,
+            replay_safe=replay_safe,
         )
         JOB_TYPES[name] = job_type
         return JobFunction(job_type)
@@ -308,16 +318,20 @@ async def call_async(spec: JobType, running: RunningJob, payload: dict):
 
 
 def jobs_schedule(now: datetime, page_size: int) -> tuple[Counter, bool]:
-    """Return expired leases to pending (dead when their attempts are spent) and end
-    pending jobs past their deadline dead with the reason "deadline passed". Returns the
-    counts and whether a full page suggests more."""
+    """Return expired leases to pending (dead when their attempts are spent), end
+    pending jobs past their deadline dead with the reason "deadline passed", and enqueue
+    the recurring jobs' due ticks (``recurring``). Returns the counts and whether a full
+    page suggests more."""
     from .job_queries import expire_deadlines, expire_leases
 
     counts = Counter()
     counts["lease_expired"], counts["lease_expired_dead"] = expire_leases(now, page_size)
     counts["deadline_passed"] = expire_deadlines(now, page_size)
+    from .recurring import recurring_schedule  # the recurring jobs' one clock
+
+    counts["recurring_enqueued"], recurring_more = recurring_schedule(now, page_size)
     more = counts["lease_expired"] + counts["lease_expired_dead"] >= page_size
-    more = more or counts["deadline_passed"] >= page_size
+    more = more or counts["deadline_passed"] >= page_size or recurring_more
     if counts["lease_expired"]:
         wakeup.notify(wakeup.JOBS)
     return counts, more

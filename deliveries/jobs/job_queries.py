@@ -359,3 +359,32 @@ def expire_deadlines(now: datetime, limit: int) -> int:
         return Job.objects.filter(id__in=ids, state=PENDING, deadline__lte=now).update(
             state=DEAD, finished_at=now, dead_reason="deadline passed"
         )
+
+
+# --- Operators: replay and cancel (deliveries.jobs.services) ---------------------------
+
+CANCELLED_REASON = "cancelled by an operator"
+
+
+def replay_jobs(job_ids, now: datetime) -> int:
+    """Dead jobs (cancelled ones included) back to pending, due now, with a fresh budget:
+    ``attempts`` from 0, the deadline and the dead reason cleared. Their runs stay."""
+    return Job.objects.filter(id__in=list(job_ids), state=DEAD).update(
+        state=PENDING,
+        attempts=0,
+        run_at=now,
+        deadline=None,
+        dead_reason="",
+        finished_at=None,
+        progress_done=None,
+        progress_total=None,
+        progress_updated_at=None,
+    )
+
+
+def cancel_jobs(job_ids, now: datetime) -> int:
+    """Pending jobs dead with the reason ``cancelled by an operator``; a running job is
+    left alone (its function cannot be recalled)."""
+    return Job.objects.filter(id__in=list(job_ids), state=PENDING).update(
+        state=DEAD, dead_reason=CANCELLED_REASON, finished_at=now
+    )

@@ -8,6 +8,9 @@ import uuid
 from django.db import models
 from django.db.models import Q
 
+from deliveries.timezones import validate_time_zone
+
+from .cron import validate_cron
 from .ids import uuid7
 
 
@@ -193,6 +196,11 @@ class Job(models.Model):
             # The dead-job alert check (deliveries.alerts) and retention, by finish time.
             models.Index(fields=["finished_at"], condition=Q(state=JobState.DEAD), name="job_dead"),
         ]
+        # The admin's actions (deliveries.jobs.services): each needs its own permission.
+        permissions = [
+            ("replay_job", "Can replay dead jobs"),
+            ("cancel_job", "Can cancel pending jobs"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.type} {self.id}"
@@ -234,3 +242,58 @@ class JobRun(models.Model):
                 name="jobrun_outcome_valid",
             ),
         ]
+
+
+class RecurringJob(models.Model):
+    """A job enqueued on a cron schedule, evaluated in ``time_zone`` (deliveries.jobs.
+    recurring). The scheduler's sweep is its one clock: each due tick is enqueued with
+    the idempotency key ``recurring:<name>:<tick in UTC>``, so two schedulers, or a rerun
+    after a crash, never enqueue one tick twice. Change it through
+    ``services.recurring_job_save``, which sets ``next_tick_at`` from the schedule."""
+
+    id = models.BigAutoField(primary_key=True)
+    name = models.CharField(max_length=100, unique=True)
+    job_type = models.CharField(max_length=200)
+    cron = models.CharField(
+        max_length=200,
+        validators=[validate_cron],
+        help_text="Five fields: minute hour day-of-month month day-of-week (0 9 * * 1-5).",
+    )
+    time_zone = models.CharField(
+        max_length=64,
+        default="UTC",
+        validators=[validate_time_zone],
+        help_text="An IANA name (Europe/Berlin); the cron is read on its wall clock.",
+    )
+    payload = models.JSONField(default=dict, blank=True)
+    # A plain column, as on Job: the machinery has no key to the products' tenants.
+    tenant_id = models.UUIDField(null=True, blank=True)
+    enabled = models.BooleanField(default=True)
+    # The latest tick enqueued (UTC), and the next one the sweep waits for.
+    last_scheduled_tick = models.DateTimeField(null=True, blank=True)
+    next_tick_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        indexes = [
+            # The scheduler's sweep: enabled rows whose next tick has come.
+            models.Index(
+                fields=["next_tick_at"], condition=Q(enabled=True), name="recurringjob_due"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def clean(self) -> None:
+        from django.core.exceptions import ValidationError
+
+        from .background import JOB_TYPES
+
+        errors = {}
+        if not isinstance(self.payload, dict):
+            errors["payload"] = "The payload is a JSON object: the job's keyword arguments."
+        if self.job_type not in JOB_TYPES:
+            errors["job_type"] = f"No job type {self.job_type!r} is registered (JOBS_MODULES)."
+        if errors:
+            raise ValidationError(errors)

@@ -11,6 +11,7 @@ from django.urls import get_resolver
 from rest_framework.test import APIClient
 
 from deliveries import services
+from deliveries.jobs.background import enqueue
 from deliveries.models import (
     ApiKey,
     Attempt,
@@ -21,6 +22,7 @@ from deliveries.models import (
     Tenant,
 )
 from tests.conftest import drain
+from tests.deliveries.jobs import sample_jobs  # noqa: F401  (registers test.noop)
 
 pytestmark = pytest.mark.django_db
 
@@ -403,6 +405,7 @@ def test_the_route_list_covers_every_object_route():
         "/api/v1/endpoints/{id}/rotate-secret/",
         "/api/v1/endpoints/{id}/test/",
         "/api/v1/events/{id}/",
+        "/api/v1/jobs/{id}/",
     ]
 
 
@@ -415,11 +418,12 @@ def test_another_tenants_id_is_404_exactly_like_a_random_id(route, method, alice
     event = services.publish_event(tenant=bob_tenant, event_type="t", payload={})
     delivery = Delivery.objects.get(event=event)
     collection = route.split("/")[3]
-    bob_id = (
-        backfill_run_of(bob_tenant).id
-        if collection == "backfill-runs"
-        else {"endpoints": endpoint.id, "events": event.id, "deliveries": delivery.id}[collection]
-    )
+    ids = {"endpoints": endpoint.id, "events": event.id, "deliveries": delivery.id}
+    if collection == "backfill-runs":
+        ids[collection] = backfill_run_of(bob_tenant).id
+    if collection == "jobs":
+        ids[collection] = enqueue("test.noop", tenant=bob_tenant).id
+    bob_id = ids[collection]
 
     def call(client, object_id):
         return getattr(client, method)(route.format(id=object_id), {}, format="json")

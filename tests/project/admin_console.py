@@ -14,7 +14,8 @@ from django.utils import timezone
 from django_q.models import OrmQ, Task
 
 from deliveries import services
-from deliveries.jobs.models import LoopRun
+from deliveries.jobs.ids import uuid7
+from deliveries.jobs.models import Job, JobRun, LoopRun, RecurringJob
 from deliveries.models import (
     ApiKey,
     Attempt,
@@ -74,6 +75,28 @@ def console_data() -> Console:
             request_headers={"webhook-timestamp": "1", "authorization": "[redacted]"},
         )
     LoopRun.objects.create(kind="scheduler", host="h", pid=1, started_at=now, heartbeat_at=now)
+    for state in ("dead", "pending"):
+        job = Job.objects.create(
+            id=uuid7(),
+            type="billing.sync_invoice",
+            state=state,
+            tenant_id=tenant.id,
+            payload={"invoice_id": 42},
+            run_at=now,
+            created_at=now,
+            started_at=now,
+            attempts=1,
+            progress_done=5,
+            progress_total=10,
+            progress_updated_at=now,
+            dead_reason="attempts exhausted (1): boom" if state == "dead" else "",
+        )
+    JobRun.objects.create(
+        job=job, attempt=1, started_at=now, duration_ms=3.0, outcome="error", error="Traceback"
+    )
+    RecurringJob.objects.create(
+        name="nightly-sync", job_type="billing.sync_invoice", cron="0 3 * * *", next_tick_at=now
+    )
     OperationalEvent.objects.create(
         kind="dead_letters", key="all", summary="3 dead", first_seen_at=now, last_seen_at=now
     )

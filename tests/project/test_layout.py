@@ -8,10 +8,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = ROOT / "deliveries" / "jobs"
 # What the machinery may import of the deliveries package besides itself: the settings,
-# tracing, and two pure modules the products share with it: the retry rule every kind
-# retries by (deliveries.policy.RetryPolicy, for the host's background jobs) and the text
-# rules, whose secret masking a job's stored traceback goes through.
-SHARED = {"deliveries.conf", "deliveries.tracing", "deliveries.policy", "deliveries.text"}
+# tracing, and three pure modules the products share with it: the retry rule every kind
+# retries by (deliveries.policy.RetryPolicy, for the host's background jobs), the text
+# rules, whose secret masking a job's stored traceback goes through, and the time-zone
+# rule a recurring job's zone is validated by (deliveries.timezones).
+SHARED = {
+    "deliveries.conf",
+    "deliveries.tracing",
+    "deliveries.policy",
+    "deliveries.text",
+    "deliveries.timezones",
+}
 TABLES = re.compile(r"deliveries_(outbox|queuemessage|entitylock|looprun)\b")
 
 
