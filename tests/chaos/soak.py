@@ -273,20 +273,20 @@ class CommitStats:
 def commit_in_batches(
     total: int,
     batch: int,
-    rate: float,
+    wait,
     write,
     rng: random.Random,
     stats: CommitStats,
     stop: threading.Event,
 ) -> None:
     """The application's writes: ``write(chunk)`` for ``total`` items, ``batch`` to a
-    transaction, ``rate`` items a second. Each item carries an idempotency key, so that
-    a batch whose commit is in doubt (the server went away during COMMIT) is retried
-    without writing anything twice. One batch in twenty is rolled back on purpose (the
-    process dies before it commits), then written again."""
+    transaction, each batch once ``wait(its first item)`` (the seconds still to wait)
+    says it is time. Each item carries an idempotency key, so that a batch whose commit
+    is in doubt (the server went away during COMMIT) is retried without writing anything
+    twice. One batch in twenty is rolled back on purpose (the process dies before it
+    commits), then written again."""
     from django.db import InterfaceError, OperationalError, connection, transaction
 
-    started = time.monotonic()
     seq = 0
 
     class _DiesBeforeCommit(Exception):
@@ -294,6 +294,10 @@ def commit_in_batches(
 
     try:
         while seq < total and not stop.is_set():
+            ahead = wait(seq)
+            if ahead > 0:
+                time.sleep(ahead)
+                continue
             chunk = list(range(seq, min(total, seq + batch)))
             try:
                 with transaction.atomic():
@@ -311,9 +315,6 @@ def commit_in_batches(
                 continue
             seq += len(chunk)
             stats.committed = seq
-            ahead = seq / rate - (time.monotonic() - started)
-            if ahead > 0:
-                time.sleep(ahead)
     except Exception as exc:  # the run must fail loudly, not stop writing quietly
         stats.error = repr(exc)
         raise
@@ -347,7 +348,12 @@ def publish(cfg: Config, tenant_id, stats: CommitStats, stop: threading.Event) -
                     idempotency_key=key,
                 )
 
-    commit_in_batches(cfg.events, 25, cfg.rate, write, rng, stats, stop)
+    started = time.monotonic()
+
+    def wait(seq: int) -> float:
+        return seq / cfg.rate - (time.monotonic() - started)
+
+    commit_in_batches(cfg.events, 25, wait, write, rng, stats, stop)
 
 
 # --- Background jobs ---------------------------------------------------------------------
@@ -388,9 +394,12 @@ def job_mix(n: int, seed: int) -> list[tuple[str, dict]]:
     return jobs
 
 
-def enqueue_jobs(cfg: Config, stats: CommitStats, stop: threading.Event) -> None:
-    """The application's background jobs, ten a transaction, spread over the time the
-    events take; ``enqueue`` with an idempotency key returns the job a batch in doubt
+def enqueue_jobs(
+    cfg: Config, stats: CommitStats, published: CommitStats, stop: threading.Event
+) -> None:
+    """The application's background jobs, ten a transaction, keeping pace with the
+    events ``published`` (so they meet the same chaos however fast this machine
+    publishes); ``enqueue`` with an idempotency key returns the job a batch in doubt
     already wrote."""
     from deliveries.jobs.background import enqueue
 
@@ -401,8 +410,11 @@ def enqueue_jobs(cfg: Config, stats: CommitStats, stop: threading.Event) -> None
             job_type, payload = jobs[i]
             enqueue(job_type, payload, idempotency_key=f"soak-job-{i}")
 
-    rate = cfg.jobs / max(cfg.events / cfg.rate, 1.0)
-    commit_in_batches(cfg.jobs, 10, rate, write, random.Random(cfg.seed + 4), stats, stop)
+    def wait(seq: int) -> float:
+        behind = published.committed * cfg.jobs < seq * cfg.events
+        return 0.05 if behind and not published.done.is_set() else 0.0
+
+    commit_in_batches(cfg.jobs, 10, wait, write, random.Random(cfg.seed + 4), stats, stop)
 
 
 # --- Inbound sender ----------------------------------------------------------------------
@@ -1049,7 +1061,7 @@ def run(cfg: Config) -> int:
         ).start()
         queued = CommitStats()
         threading.Thread(
-            target=enqueue_jobs, args=(cfg, queued, stop_publishing), daemon=True
+            target=enqueue_jobs, args=(cfg, queued, pub, stop_publishing), daemon=True
         ).start()
         sent = SendStats()
         publish_seconds = cfg.events / cfg.rate
