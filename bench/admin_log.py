@@ -282,7 +282,7 @@ DATA_TABLES = (
 
 
 def dataset() -> dict | None:
-    """What an earlier run generated here (None: nothing, or not all of it)."""
+    """What an earlier invocation generated here (None: nothing, or not all of it)."""
     if not outbound.sql("SELECT to_regclass('bench_admin_dataset')")[0][0]:
         return None
     rows = outbound.sql("SELECT deliveries, events, generated_at, seconds FROM bench_admin_dataset")

@@ -5,20 +5,22 @@ and the service, on the same published rows, receiver and clock. It answers one
 question the throughput target raises: how fast could *any* implementation of the
 design go on this machine, given the writes it makes per delivery?
 
-Each role runs the service's statements verbatim (imported from ``deliveries``), on the
-service's tables and indexes, and nothing else:
+Each role runs the service's statements verbatim (imported from ``deliveries``: the
+``queries.`` names are the job machinery's, ``deliveries.jobs.queries``, the others the
+outbound product's, ``deliveries.queries``), on the service's tables and indexes, and
+nothing else:
 
-* ``scheduler``: one scan of due rows (``state._SCAN_DUE_SQL``, nothing left out) and
-  one ``state._ENQUEUE_SQL`` (pending → enqueued and an outbox row each) per page;
+* ``scheduler``: one scan of due rows (``SCAN_DUE``, nothing left out) and
+  one ``ENQUEUE`` (pending → enqueued and an outbox row each) per page;
   no ceilings, no fairness, no in-flight count, no sweeps;
 * ``relay``: in one transaction, ``queries.PUBLISH_OUTBOX_PAGE`` marking the page
   published and ``queries.ENQUEUE_MESSAGES`` (the database broker's publication and its
   record commit together, as the service's relay does);
 * ``worker`` (one process per core, lanes of one asyncio connection each): in one
-  transaction ``queries.LOCK_MESSAGES``, ``state._LEASE_SQL`` and
+  transaction ``queries.LOCK_MESSAGES``, ``LEASE`` and
   ``queries.SETTLE_MESSAGES`` spending the messages (the service's take); a signed POST
   per delivery through one bare ``aiohttp.ClientSession`` (no egress checks); then in
-  one transaction the attempts by COPY and ``state._SUCCEED_SQL``. No ceilings, no rate
+  one transaction the attempts by COPY and ``SUCCEED``. No ceilings, no rate
   limits, no retries (any answer but 200 stops the run), no metrics, no logs.
 
 So the service's distance to this floor is what its Python costs (Django, the thread
@@ -87,7 +89,7 @@ def now() -> datetime:
 def run_scheduler(page: int) -> None:
     import psycopg
 
-    from deliveries import state
+    from deliveries.queries import ENQUEUE, SCAN_DUE
 
     with psycopg.connect(connect_url(), autocommit=True) as conn:
         register(conn, "floor-sched")
@@ -97,12 +99,12 @@ def run_scheduler(page: int) -> None:
                 ids = [
                     r[0]
                     for r in conn.execute(
-                        state._SCAN_DUE_SQL,
+                        SCAN_DUE.sql,
                         {"now": t, "tenants": [], "endpoints": [], "limit": page},
                     ).fetchall()
                 ]
                 if ids:
-                    conn.execute(state._ENQUEUE_SQL, {"ids": ids, "now": t})
+                    conn.execute(ENQUEUE.sql, {"ids": ids, "now": t})
             if not ids:
                 time.sleep(IDLE_SLEEP)
 
@@ -143,8 +145,8 @@ def take_steps(queue: str, batch: int):
     """Take a batch and lease it in one transaction, spending the messages, as the
     service's worker does with the database broker: (leased, token), or None when the
     queue is empty."""
-    from deliveries import state
     from deliveries.jobs import broker, queries
+    from deliveries.queries import LEASE
 
     t = now()
     until = t + timedelta(seconds=60)
@@ -162,7 +164,7 @@ def take_steps(queue: str, batch: int):
         "token": token,
         "now": t,
     }
-    leased = yield ("binary", state._LEASE_SQL, params)
+    leased = yield ("binary", LEASE.sql, params)
     spent = {"spent": [r[0] for r in taken], "hidden": [], "until": until}
     yield ("query", queries.SETTLE_MESSAGES.sql, spent)
     yield ("query", "COMMIT", None)
@@ -171,28 +173,25 @@ def take_steps(queue: str, batch: int):
 
 def record_steps(leased: list, token, rows: list):
     """The attempts and the successes in one transaction."""
-    from deliveries import state
+    from deliveries.queries import APPEND_ATTEMPTS, SUCCEED
 
     yield ("query", "BEGIN", None)
-    yield (
-        "copy",
-        f"COPY deliveries_attempt ({', '.join(state._ATTEMPT_COLUMNS)}) FROM STDIN",
-        rows,
-    )
+    yield ("copy", APPEND_ATTEMPTS.sql, rows)
     if leased:
         ids = [r[0] for r in leased]
         statuses = [200] * len(leased)
         params = {"now": now(), "ids": ids, "tokens": [token] * len(ids), "statuses": statuses}
-        yield ("query", state._SUCCEED_SQL, params)
+        yield ("query", SUCCEED.sql, params)
     yield ("query", "COMMIT", None)
 
 
 def endpoint_steps(endpoint_id):
     """The endpoint's URL and active secrets (the service's statement), once per process."""
-    from deliveries import encryption, services
+    from deliveries import encryption
+    from deliveries.queries import ACTIVE_SECRETS
 
     url = yield ("query", "SELECT url FROM deliveries_endpoint WHERE id = %s", [endpoint_id])
-    secrets = yield ("query", services._ACTIVE_SECRETS_SQL, [[endpoint_id], now()])
+    secrets = yield ("query", ACTIVE_SECRETS.sql, [[endpoint_id], now()])
     # (id, endpoint_id, token, legacy plain text): decrypted, as the service does.
     return url[0][0], [encryption.reveal(r[2], r[3]) for r in secrets]
 

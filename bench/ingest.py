@@ -203,8 +203,8 @@ def prepare_database(db: Database, env: dict) -> None:
     if done.returncode != 0:
         raise BenchError(f"migrate failed:\n{done.stdout}\n{done.stderr}")
     db.truncate()
-    # Made afresh every run: its secret is stored encrypted, so what a previous run (or
-    # someone by hand) left cannot be compared with ours here.
+    # Made afresh every run: its secret is stored encrypted, so what another invocation
+    # (or someone by hand) left cannot be compared with ours here.
     db.rows(
         "DELETE FROM ingest_sourcesecret WHERE source_id IN "
         "(SELECT id FROM ingest_source WHERE slug = %s)",

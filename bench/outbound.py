@@ -64,7 +64,7 @@ SELECT count(*) FROM (
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # Every table receiving and processing inbound events writes; emptied before each
-# inbound run (bench/ingest.py, run.py's inbound scenario, inbound_process.py).
+# inbound run (bench/ingest.py, run.py's inbound scenario).
 INBOUND_TABLES = (
     "ingest_inboundevent",
     "ingest_handlerrun",

@@ -457,18 +457,25 @@ def latency_run(ctx: dict, tenant_id, rate: int, procs: list) -> dict:
 # --- Inbound -------------------------------------------------------------------------
 
 
-def scenario_inbound(ctx: dict) -> dict:
+def inbound_source():
+    """The bench's Stripe-scheme source, created on first use (the inbound tables are
+    emptied between runs, the sources table is not)."""
     from ingest.models import Source
     from ingest.services import source_create
 
+    return Source.objects.filter(slug=INBOUND_SLUG).first() or source_create(
+        slug=INBOUND_SLUG, scheme="stripe", secrets=[INBOUND_SECRET]
+    )
+
+
+def scenario_inbound(ctx: dict) -> dict:
     n = ctx["inbound_events"]
     pipeline = service_pipeline({"INGEST_HANDLER_MODULES": "bench.inbound_noop"})
     out: dict = {"events": n, "gunicorn_workers": ctx["gunicorn_workers"], "runs": []}
     for i in range(ctx["repeat"]):
         log(f"inbound {i + 1}/{ctx['repeat']}, N = {n:,}")
         ob.truncate_inbound()
-        if not Source.objects.filter(slug=INBOUND_SLUG).exists():
-            source_create(slug=INBOUND_SLUG, scheme="stripe", secrets=[INBOUND_SECRET])
+        inbound_source()
         port = ob_free_port()
         env = pipeline_env(
             ctx["base_url"],
@@ -525,16 +532,45 @@ def scenario_inbound(ctx: dict) -> dict:
     return out
 
 
+def store_backlog(n: int) -> None:
+    """Empty the inbound tables and store ``n`` events of the bench source, each of an
+    entity of its own, with their processing jobs (outbox rows), in one
+    ``inbound_store_many``: the backlog a poller's page or a burst received by many web
+    processes leaves."""
+    from datetime import timedelta
+
+    from django.db import transaction
+    from django.utils import timezone
+
+    from ingest.services import NewEvent, inbound_store_many
+
+    ob.truncate_inbound()
+    source = inbound_source()
+    now = timezone.now()
+    events = [
+        NewEvent(
+            event_id=f"evt_{i}",
+            event_type="invoice.paid",
+            entity_id=f"cus_{i}",
+            occurred_at=now + timedelta(milliseconds=i),
+            body=json.dumps(
+                {"id": f"evt_{i}", "type": "invoice.paid", "data": {"object": {"id": f"cus_{i}"}}}
+            ).encode(),
+        )
+        for i in range(n)
+    ]
+    with transaction.atomic():
+        inbound_store_many(source=source, events=events)
+
+
 def inbound_backlog(ctx: dict, pipeline) -> dict:
     """Processing's own capacity: a stored backlog (a distinct entity per event, so each
     takes and gives back its lock and version row), then the pipeline started; the rate
     is the events over the time from the first handler run's start to the last commit, as
     throughput's is over the receiver's first-to-last arrival. Acknowledgement is the
     receive view's (above)."""
-    import inbound_process
-
     n = ctx["inbound_backlog"]
-    inbound_process.store_backlog(n, "distinct")
+    store_backlog(n)
     procs = start_pipeline(pipeline, ctx["base_url"], ctx["db_name"], ctx["logs"])
     try:
         wait_inbound_processed(n, time.perf_counter() + ctx["timeout"], 0.05)

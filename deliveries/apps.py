@@ -18,8 +18,8 @@ class DeliveriesConfig(AppConfig):
         )
         from .jobs import kinds
         from .metrics import delivery_gauges
+        from .queries import DELIVERY_KIND
         from .selectors import delivery_trace_contexts
-        from .state import DELIVERY_KIND
 
         tracing.configure()
         register_provider("deliveries", delivery_gauges)

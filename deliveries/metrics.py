@@ -11,46 +11,17 @@ import time
 import uuid
 from collections.abc import Iterable
 
-from django.db import connection
-from django.db.models import Count, Max, Min
+from django.db.models import Count, Max
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from deliveries.conf import settings
 from deliveries.prometheus import add_state_counts
 
+from . import queries
 from .jobs.models import LoopRun, Outbox
 from .models import Delivery, DeliveryState
 
 OTHER = "other"
-
-# The oldest due pending delivery, by a skip scan over the partial index delivery_due
-# (-priority, next_attempt_at): one index probe per distinct priority instead of reading
-# every pending row, however deep the backlog.
-_OLDEST_DUE_SQL = """
-WITH RECURSIVE p AS (
-    (SELECT priority FROM deliveries_delivery WHERE state = 'pending'
-     ORDER BY priority DESC LIMIT 1)
-    UNION ALL
-    SELECT (SELECT d.priority FROM deliveries_delivery d
-            WHERE d.state = 'pending' AND d.priority < p.priority
-            ORDER BY d.priority DESC LIMIT 1)
-    FROM p WHERE p.priority IS NOT NULL
-)
-SELECT min((SELECT d.next_attempt_at FROM deliveries_delivery d
-            WHERE d.state = 'pending' AND d.priority = p.priority
-            ORDER BY d.next_attempt_at LIMIT 1))
-FROM p WHERE p.priority IS NOT NULL
-"""
-
-
-def _oldest_due():
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute(_OLDEST_DUE_SQL)
-            return cursor.fetchone()[0]
-    return Delivery.objects.filter(state=DeliveryState.PENDING).aggregate(m=Min("next_attempt_at"))[
-        "m"
-    ]
 
 
 def delivery_gauges(now: float) -> Iterable[Metric]:
@@ -86,7 +57,7 @@ def delivery_gauges(now: float) -> Iterable[Metric]:
         dead_letters.add_metric([outcome or "unknown"], n)
     yield dead_letters
 
-    oldest = _oldest_due()
+    (oldest,) = queries.OLDEST_DUE()
     age = max(0.0, now - oldest.timestamp()) if oldest is not None else 0.0
     yield GaugeMetricFamily(
         "webhooks_oldest_due_delivery_age_seconds",

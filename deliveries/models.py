@@ -381,7 +381,7 @@ class Delivery(models.Model):
             ),
             # The same rows by endpoint: the scheduler's claim when some endpoints are
             # at their ceilings, which reads each other endpoint's first rows instead of
-            # reading past every row the full ones cannot take (deliveries.state).
+            # reading past every row the full ones cannot take (deliveries.admission).
             models.Index(
                 fields=["endpoint", "-priority", "next_attempt_at"],
                 condition=Q(state="pending"),

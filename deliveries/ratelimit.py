@@ -17,7 +17,9 @@ import time
 
 from django.core.cache import caches
 from django.core.cache.backends.db import DatabaseCache
-from django.db import connections, router, transaction
+from django.db import router, transaction
+
+from . import queries
 
 
 def hit(key: str, *, window: float, alias: str = "default") -> tuple[int, float]:
@@ -47,20 +49,8 @@ def _incr(cache, counter: str, timeout: float) -> int:
 
 def _database_incr(cache: DatabaseCache, counter: str, timeout: float) -> int:
     alias = router.db_for_write(cache.cache_model_class)
-    connection = connections[alias]
     with transaction.atomic(using=alias):
-        if connection.vendor == "postgresql":
-            with connection.cursor() as cursor:
-                # The lock: in the two-key space, under a name of its own (deliveries.
-                # state's admission lock takes a one-key lock); two counters whose hashes
-                # collide only wait for each other a moment. And no waiting for the
-                # commit's flush to disk (most of the cost otherwise): a counter may lose
-                # its last increments in a server crash.
-                cursor.execute(
-                    "SELECT pg_advisory_xact_lock(hashtext('rate-counter'), hashtext(%s)),"
-                    " set_config('synchronous_commit', 'off', true)",
-                    [counter],
-                )
+        queries.TAKE_RATE_COUNTER_LOCK([counter], using=alias)
         count = cache.get(counter, 0) + 1
         cache.set(counter, count, timeout)
     return count

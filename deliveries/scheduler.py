@@ -15,6 +15,7 @@ from deliveries.conf import settings
 from deliveries.prometheus import LEASE_EXPIRIES, LOST_DISPATCHES
 
 from . import state
+from .admission import AdmissionResult, Limits, admit_due
 from .jobs import kinds
 from .jobs.loop import SOON_WAIT, Tick
 from .models import Delivery
@@ -32,7 +33,7 @@ class SchedulerTick(Tick):
     # The sweeps left work: sweep again on the next pass.
     sweep_busy: bool = False
     # The admission pass, if it ran.
-    admission: state.AdmissionResult | None = None
+    admission: AdmissionResult | None = None
 
 
 def scheduler_tick(*, page_size: int | None = None, sweep: bool = True) -> SchedulerTick:
@@ -49,7 +50,7 @@ def scheduler_tick(*, page_size: int | None = None, sweep: bool = True) -> Sched
         tick.counts["transport_lost"] = state.recover_lost_dispatches(
             now=now, older_than=settings.SCHEDULER_STALE_ENQUEUED_SECONDS, limit=page_size
         )
-    admitted = state.admit_due(now=now, page_size=page_size, limits=state.Limits.from_settings())
+    admitted = admit_due(now=now, page_size=page_size, limits=Limits.from_settings())
     tick.admission = admitted
     tick.counts["enqueued"] = admitted.admitted
     tick.counts["held_back"] = admitted.held_back

@@ -7,17 +7,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from django.db import connection
 from django.utils import timezone
 
 from deliveries.conf import settings
 
+from . import queries
 from .egress import EgressPolicy, IPNetwork
 from .jobs.models import LoopRun, Outbox
 from .jobs.outbox import message_key
-from .jobs.sql import bound_cursor
-from .models import Delivery, DeliveryState, EgressAllowance
-from .state import DELIVERY_KIND
+from .models import Delivery, DeliveryState
+from .queries import DELIVERY_KIND
 
 logger = logging.getLogger("deliveries.selectors")
 
@@ -171,16 +170,7 @@ def allowed_networks(
         return {}
     found: dict = {target: set() for group in by_tenant.values() for target in group}
     tenant_ids = [t for t in by_tenant if t is not None]  # None: the operator's own
-    if not tenant_ids:
-        rows = []
-    elif connection.vendor == "postgresql":
-        with bound_cursor() as cursor:
-            cursor.execute(_TENANT_ALLOWANCES_SQL, [tenant_ids])
-            rows = cursor.fetchall()
-    else:
-        rows = EgressAllowance.objects.filter(tenant_id__in=tenant_ids).values_list(
-            "tenant_id", "endpoint_id", "network"
-        )
+    rows = queries.TENANT_ALLOWANCES([tenant_ids]) if tenant_ids else []
     for tenant_id, endpoint_id, network in rows:
         try:
             parsed = ipaddress.ip_network(network.strip())
@@ -199,12 +189,6 @@ def allowed_networks(
         target: tuple(sorted(networks, key=lambda n: (n.version, n)))
         for target, networks in found.items()
     }
-
-
-_TENANT_ALLOWANCES_SQL = """
-SELECT tenant_id, endpoint_id, network FROM deliveries_egressallowance
-WHERE tenant_id = ANY(%b::uuid[])
-"""
 
 
 def egress_policy_for(

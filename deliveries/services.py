@@ -13,17 +13,14 @@ from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Q
 from django.utils import timezone
 
 from deliveries.conf import settings
 
-from . import encryption, state, tracing
+from . import encryption, queries, state, tracing
 from .egress import validate_endpoint_url
 from .headers import validate_endpoint_headers
-from .jobs import wakeup
-from .jobs.ids import UUID7_SQL, uuid7
-from .jobs.sql import bound_cursor
+from .jobs.ids import uuid7
 from .models import (
     ApiKey,
     AuditEntry,
@@ -127,77 +124,12 @@ def publish_event(
         tracing.use_span(span) if span is not None else contextlib.nullcontext(),
         transaction.atomic(savepoint=idempotency_key is not None),
     ):
-        if connection.vendor == "postgresql":
-            event = _publish_postgres(fields, now=now, due=due, only=only)
-        else:
-            event = Event.objects.create(**fields)
-            endpoints = Endpoint.objects.filter(tenant_id=tenant_id, enabled=True).only(
-                "id", "event_types"
-            )
-            if only is not None:
-                endpoints = endpoints.filter(id__in=only)
-            Delivery.objects.bulk_create(
-                [
-                    Delivery(
-                        event=event,
-                        endpoint_id=endpoint.id,
-                        tenant_id=tenant_id,
-                        priority=priority,
-                        next_attempt_at=due,
-                    )
-                    for endpoint in endpoints
-                    if only is not None or endpoint.subscribes_to(event_type)
-                ]
-            )
+        event = Event(id=uuid7(), created_at=now, **fields)
+        queries.PUBLISH({**fields, "id": event.id, "now": now, "due": due, "only": only})
+        event._state.adding = False
+        event._state.db = connection.alias
         if span is not None:
             span.set_attribute("webhooks.event_id", str(event.id))
-    return event
-
-
-# The event and one pending delivery per subscribed, enabled endpoint, in one statement
-# (the ORM takes three and builds a model per row); the delivery table's trigger lists
-# them (models.DeliveryListing). The subscription test is
-# Endpoint.subscribes_to's: no event types means every type. Columns the statement leaves
-# out take the models' defaults, which the ORM path writes explicitly; keep both in step
-# (tests/deliveries/test_pipeline.py compares them). When deliveries were written and are
-# due now, the statement also wakes the scheduler (deliveries.jobs.wakeup.DUE): pg_notify is
-# delivered with the caller's commit, never on a rollback, and PostgreSQL folds the
-# notifications of one transaction into one. (A NOTIFY statement of its own cost the
-# publishing process 150 µs a publish, a third of the rest.)
-_PUBLISH_SQL = """
-WITH event AS (
-    INSERT INTO deliveries_event (id, tenant_id, event_type, payload_version, entity_id,
-        body, priority, idempotency_key, request_hash, trace_context, created_at)
-    VALUES (%(id)s, %(tenant_id)s, %(event_type)s, %(payload_version)s, %(entity_id)s,
-        %(body)s, %(priority)s, %(idempotency_key)s, %(request_hash)s, %(trace_context)s,
-        %(now)s)
-    RETURNING id
-), delivery AS (
-    INSERT INTO deliveries_delivery (id, event_id, endpoint_id, tenant_id, state, priority,
-        next_attempt_at, attempt_count, policy_attempts, dispatch_count, lease_expiries,
-        last_outcome, last_error, created_at, updated_at)
-    SELECT {uuid7}, event.id, endpoint.id, endpoint.tenant_id, 'pending',
-        %(priority)s, %(due)s, 0, 0, 0, 0, '', '', %(now)s, %(now)s
-    FROM event, deliveries_endpoint AS endpoint
-    WHERE endpoint.tenant_id = %(tenant_id)s AND endpoint.enabled
-        AND CASE WHEN %(only)b::uuid[] IS NULL
-            THEN endpoint.event_types = '[]'::jsonb OR endpoint.event_types ? %(event_type)s
-            ELSE endpoint.id = ANY(%(only)b::uuid[]) END
-    RETURNING 1
-)
-SELECT pg_notify('{due}', '') FROM (SELECT 1 FROM delivery LIMIT 1) AS written
-WHERE %(due)s <= %(now)s
-""".replace("{uuid7}", UUID7_SQL).replace("{due}", wakeup.DUE)
-
-
-def _publish_postgres(fields: dict, *, now: datetime, due: datetime, only) -> Event:
-    event = Event(id=uuid7(), created_at=now, **fields)
-    with bound_cursor() as cursor:
-        cursor.execute(
-            _PUBLISH_SQL, {**fields, "id": event.id, "now": now, "due": due, "only": only}
-        )
-    event._state.adding = False
-    event._state.db = connection.alias
     return event
 
 
@@ -223,16 +155,10 @@ def event_publish_idempotent(
     transaction-scoped advisory lock detects on PostgreSQL. Keys are per tenant.
     """
     with transaction.atomic():
-        if connection.vendor == "postgresql":
-            with connection.cursor() as cursor:
-                cursor.execute(
-                    "SELECT pg_try_advisory_xact_lock(hashtext(%s), hashtext(%s))",
-                    [str(tenant.id), idempotency_key],
-                )
-                if not cursor.fetchone()[0]:
-                    raise IdempotencyInProgress(
-                        "A request with this Idempotency-Key is in progress; retry later."
-                    )
+        if not queries.TAKE_IDEMPOTENCY_LOCK([str(tenant.id), idempotency_key])[0]:
+            raise IdempotencyInProgress(
+                "A request with this Idempotency-Key is in progress; retry later."
+            )
         existing = Event.objects.filter(tenant=tenant, idempotency_key=idempotency_key).first()
         if existing is not None:
             if existing.request_hash != request_hash:
@@ -431,33 +357,13 @@ def active_secrets(
     """Signing secrets by endpoint, newest first, leaving out expired ones (and, logged,
     any that no configured key decrypts: deliveries.encryption.reveal_or_skip).
 
-    Workers ask for every batch they lease, so on PostgreSQL it is one prepared
-    statement (the ORM's compilation cost more than the query)."""
+    Workers ask for every batch they lease: one statement (queries.ACTIVE_SECRETS)."""
     found: dict[uuid.UUID, list[str]] = {}
-    if connection.vendor == "postgresql":
-        with bound_cursor() as cursor:
-            cursor.execute(_ACTIVE_SECRETS_SQL, [list(endpoint_ids), now])
-            rows = cursor.fetchall()
-    else:
-        rows = (
-            EndpointSecret.objects.filter(endpoint_id__in=list(endpoint_ids))
-            .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now))
-            .order_by("-created_at")
-            .values_list("id", "endpoint_id", "secret_encrypted", "legacy_plaintext")
-        )
-    for secret_id, endpoint_id, token, legacy in rows:
+    for secret_id, endpoint_id, token, legacy in queries.ACTIVE_SECRETS([list(endpoint_ids), now]):
         secret = encryption.reveal_or_skip(token, legacy, row=f"endpoint secret {secret_id}")
         if secret is not None:
             found.setdefault(endpoint_id, []).append(secret)
     return found
-
-
-# "secret" is the legacy plain-text column (EndpointSecret.legacy_plaintext).
-_ACTIVE_SECRETS_SQL = """
-SELECT id, endpoint_id, secret_encrypted, secret FROM deliveries_endpointsecret
-WHERE endpoint_id = ANY(%b::uuid[]) AND (expires_at IS NULL OR expires_at > %s)
-ORDER BY created_at DESC
-"""
 
 
 ENDPOINT_UPDATABLE = frozenset(

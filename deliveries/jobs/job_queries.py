@@ -42,7 +42,7 @@ INSERT_JOB = Statement(
 INSERT INTO trusty_jobs_job ({", ".join(_INSERT_COLUMNS)}, state, attempts, last_error,
     dead_reason)
 VALUES ({", ".join(f"%({c})s" for c in _INSERT_COLUMNS)}, 'pending', 0, '', '')
-ON CONFLICT (type, idempotency_key) DO NOTHING
+ON CONFLICT (type, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING id
 """,
     returns="row",
@@ -77,15 +77,18 @@ def job_insert(fields: dict) -> tuple[Job, bool]:
 CLAIMED = ("id", "type", "version", "payload", "attempts", "lease_token", "lock_key",
            "tenant_id", "deadline")  # fmt: skip
 
-# Due pending jobs of the queues, highest priority first then oldest run_at (the partial
-# index job_claimable), none past its deadline, set running with a lease of their own
+# Due pending jobs of the queues, highest priority first then oldest run_at (each queue
+# read in the order of the partial index job_claimable, the queues merged after), none
+# past its deadline, set running with a lease of their own
 # (each job a token: the entity locks' owner) in one statement. Fairness: a tenant with
 # ``per_tenant`` jobs running in these queues (the partial index job_running) is passed
 # over, and of a tenant's candidates only as many as it has room for are taken, so that
 # one tenant's flood leaves slots to the others. ``scan`` candidates are locked (SKIP
 # LOCKED: claims divide the work), at most ``limit`` claimed; the rest are let go at the
-# statement's commit. The lease: ``leases`` seconds for the type at the same place in
-# ``types``, ``default_lease`` for a type this worker does not know.
+# statement's commit. The claimed rows are updated through the primary key (an id array:
+# a join would let the planner hash the whole table). The lease: ``leases`` seconds for
+# the type at the same place in ``types``, ``default_lease`` for a type this worker does
+# not know.
 # Params: {queues, now, limit, scan, per_tenant, types, leases, default_lease}.
 CLAIM_JOBS = Statement("""
 WITH running AS (
@@ -93,14 +96,16 @@ WITH running AS (
     WHERE state = 'running' AND tenant_id IS NOT NULL AND queue = ANY(%(queues)b::text[])
     GROUP BY tenant_id
 ), candidate AS (
-    SELECT id, tenant_id, priority, run_at FROM trusty_jobs_job
-    WHERE state = 'pending' AND queue = ANY(%(queues)b::text[]) AND run_at <= %(now)s
-        AND (deadline IS NULL OR deadline > %(now)s)
-        AND (tenant_id IS NULL OR %(per_tenant)s <= 0 OR tenant_id NOT IN (
-            SELECT tenant_id FROM running WHERE n >= %(per_tenant)s))
-    ORDER BY priority DESC, run_at
-    LIMIT %(scan)s
-    FOR UPDATE SKIP LOCKED
+    SELECT c.* FROM unnest(%(queues)b::text[]) AS q(name), LATERAL (
+        SELECT id, tenant_id, priority, run_at FROM trusty_jobs_job
+        WHERE state = 'pending' AND queue = q.name AND run_at <= %(now)s
+            AND (deadline IS NULL OR deadline > %(now)s)
+            AND (tenant_id IS NULL OR %(per_tenant)s <= 0 OR tenant_id NOT IN (
+                SELECT tenant_id FROM running WHERE n >= %(per_tenant)s))
+        ORDER BY priority DESC, run_at
+        LIMIT %(scan)s
+        FOR UPDATE SKIP LOCKED
+    ) AS c
 ), picked AS (
     SELECT c.id FROM (
         SELECT candidate.*,
@@ -118,7 +123,7 @@ SET state = 'running', lease_token = gen_random_uuid(), attempts = j.attempts + 
     lease_until = %(now)s + make_interval(secs => coalesce(
         (SELECT l.seconds FROM unnest(%(types)b::text[], %(leases)b::float8[]) AS l(type, seconds)
          WHERE l.type = j.type), %(default_lease)s))
-FROM picked WHERE j.id = picked.id
+WHERE j.id = ANY(ARRAY(SELECT id FROM picked))
 RETURNING j.id, j.type, j.version, j.payload, j.attempts, j.lease_token, j.lock_key,
     j.tenant_id, j.deadline
 """)

@@ -162,8 +162,13 @@ class Job(models.Model):
                 | Q(lease_token__isnull=False, lease_until__isnull=False),
                 name="job_running_has_lease",
             ),
-            # A second enqueue with the same key is a no-op (NULL keys never conflict).
-            models.UniqueConstraint(fields=["type", "idempotency_key"], name="job_idempotency"),
+            # A second enqueue with the same key is a no-op. Partial: a job without a key
+            # (most) costs no entry here on its insert and on each state change.
+            models.UniqueConstraint(
+                fields=["type", "idempotency_key"],
+                condition=Q(idempotency_key__isnull=False),
+                name="job_idempotency",
+            ),
         ]
         indexes = [
             # The claim (run_jobs): due pending jobs of a queue, by priority then run_at.

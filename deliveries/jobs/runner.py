@@ -339,7 +339,7 @@ class JobWorker:
                 "queues": self.queues,
                 "now": now,
                 "limit": free,
-                "scan": min(free * 4, free + 1000),
+                "scan": min(free * 2, free + 500),
                 "per_tenant": settings.JOBS_TENANT_CONCURRENCY,
                 "types": types,
                 "leases": list(leases.values()),
@@ -350,7 +350,7 @@ class JobWorker:
         for row in rows:
             claimed = Claimed(*row)
             if isinstance(claimed.payload, str):  # Django's psycopg setup loads jsonb as text
-                claimed.payload = json.loads(claimed.payload)
+                claimed.payload = {} if claimed.payload == "{}" else json.loads(claimed.payload)
             self._start(claimed, now, leases.get(claimed.type, default_lease), coroutines)
         if coroutines:
             if self.event_loop is None:

@@ -16,19 +16,21 @@ from contextlib import contextmanager
 from functools import partial
 
 import psycopg
-from django.db import NotSupportedError, connection
+from django.db import DEFAULT_DB_ALIAS, NotSupportedError, connections
 
 
 @contextmanager
-def bound_cursor():
-    """A server-side-binding cursor on Django's current PostgreSQL connection.
+def bound_cursor(using: str = DEFAULT_DB_ALIAS):
+    """A server-side-binding cursor on Django's current PostgreSQL connection (of the
+    database ``using``).
 
     psycopg's own errors are translated to Django's (``OperationalError`` for a dropped
     connection or a restarting server) and mark the connection as having failed, exactly
     as through a Django cursor: without that, the loops' "database unavailable, retry"
     path would not recognise them and a dropped connection would end the process."""
-    connection.ensure_connection()
-    with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cursor:
+    db = connections[using]
+    db.ensure_connection()
+    with db.wrap_database_errors, psycopg.Cursor(db.connection) as cursor:
         yield cursor
 
 
@@ -41,16 +43,35 @@ class Statement:
 
     ``returns`` says what a call gives back, whichever spelling ran: ``"rows"`` (a list
     of tuples), ``"row"`` (one tuple or None), ``"count"`` (rows changed) or ``"nothing"``.
-    The ORM spelling takes the same parameters and gives back the same shape."""
+    The ORM spelling takes the same parameters and gives back the same shape.
+
+    Two other ways to run the PostgreSQL text: ``copy_in`` (a ``COPY … FROM STDIN``
+    whose parameters are the rows to copy; returns nothing) and ``bound=False`` (through
+    Django's own cursor, client-side binding, counted and logged like the ORM's queries:
+    for the small statements without array parameters that were written that way, such
+    as the advisory locks). A call with ``using`` runs on that database alias, and its
+    ORM spelling is called with ``using`` too."""
 
     RETURNS = ("rows", "row", "count", "nothing")
 
-    def __init__(self, sql: str, *, returns: str = "rows", binary: bool = False) -> None:
+    def __init__(
+        self,
+        sql: str,
+        *,
+        returns: str = "rows",
+        binary: bool = False,
+        bound: bool = True,
+        copy_in: bool = False,
+    ) -> None:
         if returns not in self.RETURNS:
             raise ValueError(f"returns must be one of {self.RETURNS}")
+        if copy_in and (returns != "nothing" or not bound or binary):
+            raise ValueError("a COPY returns nothing and runs through bound_cursor")
         self.sql = sql
         self.returns = returns
         self.binary = binary  # results in binary format (bytea without hex encoding)
+        self.bound = bound
+        self.copy_in = copy_in
         self.portable = None
 
     def elsewhere(self, portable):
@@ -58,20 +79,35 @@ class Statement:
         self.portable = portable
         return portable
 
-    def __call__(self, params=None):
-        if connection.vendor != "postgresql":
+    def __call__(self, params=None, *, using: str | None = None):
+        db = connections[using or DEFAULT_DB_ALIAS]
+        if db.vendor != "postgresql":
             if self.portable is None:
                 raise NotSupportedError("this statement has a PostgreSQL spelling only")
-            return self.portable(params)
-        with bound_cursor() as cursor:
-            cursor.execute(self.sql, params, binary=self.binary)
-            if self.returns == "rows":
-                return cursor.fetchall()
-            if self.returns == "row":
-                return cursor.fetchone()
-            if self.returns == "count":
-                return cursor.rowcount
+            if using is None:
+                return self.portable(params)
+            return self.portable(params, using=using)
+        if self.copy_in:
+            with bound_cursor(db.alias) as cursor, cursor.copy(self.sql) as copy:
+                for row in params:
+                    copy.write_row(row)
             return None
+        if not self.bound:
+            with db.cursor() as cursor:
+                cursor.execute(self.sql, params)
+                return self._result(cursor)
+        with bound_cursor(db.alias) as cursor:
+            cursor.execute(self.sql, params, binary=self.binary)
+            return self._result(cursor)
+
+    def _result(self, cursor):
+        if self.returns == "rows":
+            return cursor.fetchall()
+        if self.returns == "row":
+            return cursor.fetchone()
+        if self.returns == "count":
+            return cursor.rowcount
+        return None
 
 
 _SET_COMPRESSION = """

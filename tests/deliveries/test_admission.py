@@ -5,20 +5,20 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from deliveries import services, state
+from deliveries import admission, services
 from deliveries.models import Delivery, EndpointThrottle, Tenant
 
 pytestmark = [pytest.mark.django_db, pytest.mark.sqlite]
 
 
 def limits(total=1000, tenant=1000, endpoint=1000):
-    return state.Limits(
+    return admission.Limits(
         max_in_flight=total, tenant_max_in_flight=tenant, endpoint_max_concurrency=endpoint
     )
 
 
 def admit(page=100, **kw):
-    return state.admit_due(now=timezone.now(), page_size=page, limits=limits(**kw))
+    return admission.admit_due(now=timezone.now(), page_size=page, limits=limits(**kw))
 
 
 def fill(tenant, n, *, url="http://127.0.0.1:9/x", **endpoint_options):
@@ -83,10 +83,10 @@ def test_start_rate_bucket_limits_admissions_per_second():
     fill(t, 20, rate_limit=5)
     now = timezone.now()
     lim = limits()
-    assert state.admit_due(now=now, page_size=100, limits=lim).admitted == 5
-    assert state.admit_due(now=now, page_size=100, limits=lim).admitted == 0
+    assert admission.admit_due(now=now, page_size=100, limits=lim).admitted == 5
+    assert admission.admit_due(now=now, page_size=100, limits=lim).admitted == 0
     later = now + timezone.timedelta(seconds=1)
-    assert state.admit_due(now=later, page_size=100, limits=lim).admitted == 5
+    assert admission.admit_due(now=later, page_size=100, limits=lim).admitted == 5
 
 
 def queries_of_one_pass(endpoints: int) -> int:
@@ -141,7 +141,7 @@ def test_rows_an_endpoint_at_its_ceiling_cannot_take_are_read_once_per_pass():
     first = admit(page=1000)
     assert first.admitted == 10
     # One chunk was read: the endpoint filled up in it and left the next scan.
-    assert first.held_back == state.ADMISSION_CHUNK - 10
+    assert first.held_back == admission.ADMISSION_CHUNK - 10
     # While it stays full, a pass reads none of its rows.
     assert admit(page=1000).held_back == 0
 
@@ -166,7 +166,7 @@ def test_the_scan_by_window_by_endpoint_or_past_the_rows_gives_the_one_answer(
     due rows, then, if that window was all rows left out, reads by endpoint, or, with
     more endpoints waiting than SCAN_BY_ENDPOINT_MAX, past the rows left out. Whichever
     way, the rows are the reference query's, in its order."""
-    monkeypatch.setattr(state, "SCAN_BY_ENDPOINT_MAX", by_endpoint_max)
+    monkeypatch.setattr(admission, "SCAN_BY_ENDPOINT_MAX", by_endpoint_max)
     import random
     from datetime import timedelta
 
@@ -203,7 +203,7 @@ def test_the_scan_by_window_by_endpoint_or_past_the_rows_gives_the_one_answer(
         ([], [str(e.id) for e in endpoints[1:]], 10),
     ]
     for left_out_tenants, left_out_endpoints, limit in cases:
-        got = state._scan_due(now, left_out_tenants, left_out_endpoints, limit)
+        got = admission._scan_due(now, left_out_tenants, left_out_endpoints, limit)
         want = _reference_scan(now, left_out_tenants, left_out_endpoints, limit)
         assert got == want, (left_out_tenants, left_out_endpoints, limit)
 

@@ -10,7 +10,7 @@ from django.core.exceptions import ValidationError
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from deliveries import services, state
+from deliveries import admission, services
 from deliveries.models import Delivery, Tenant
 from deliveries.timezones import next_local_time, validate_time_zone
 from tests.conftest import drain
@@ -135,7 +135,7 @@ def test_nine_local_is_admitted_at_its_utc_instant_on_both_sides_of_the_change(t
     tenant.refresh_from_db()
     services.endpoint_create(tenant=tenant, url="http://127.0.0.1:9/x")
     year = timezone.now().year + 1
-    limits = state.Limits(100, 100, 100)
+    limits = admission.Limits(100, 100, 100)
     expected_utc_hours = []
     for switch in (last_sunday(year, 3), last_sunday(year, 10)):
         for day in (switch - timedelta(days=1), switch):
@@ -148,8 +148,8 @@ def test_nine_local_is_admitted_at_its_utc_instant_on_both_sides_of_the_change(t
             assert delivery.next_attempt_at == deliver_at
             expected_utc_hours.append(deliver_at.hour)
             before = deliver_at - timedelta(seconds=1)
-            assert state.admit_due(now=before, page_size=100, limits=limits).admitted == 0
-            assert state.admit_due(now=deliver_at, page_size=100, limits=limits).admitted == 1
+            assert admission.admit_due(now=before, page_size=100, limits=limits).admitted == 0
+            assert admission.admit_due(now=deliver_at, page_size=100, limits=limits).admitted == 1
             delivery.refresh_from_db()
             assert delivery.state == "enqueued"
     # 09:00 in Berlin: 08:00 UTC in winter, 07:00 UTC in summer.

@@ -67,3 +67,28 @@ def test_the_message_key_is_spelled_in_one_place():
         if spelling.search(path.read_text())
     }
     assert places == {"deliveries/jobs/outbox.py"}
+
+
+# The places that may ask which database they are on: each uses a PostgreSQL feature that
+# has no SQLite counterpart. Everywhere else a statement's two spellings are a Statement
+# (deliveries.jobs.sql) in a queries module. Every place listed must still ask, so the
+# list stays exact.
+VENDOR_PLACES = {
+    "deliveries/jobs/sql.py": "where a statement's PostgreSQL and ORM spellings part",
+    "deliveries/jobs/wakeup.py": "NOTIFY and LISTEN, PostgreSQL's; elsewhere loops poll",
+    "deliveries/prometheus.py": "the gauges' time budget is a statement_timeout",
+    "deliveries/admin.py": "the paginator's count budget is a statement_timeout",
+    "deliveries/checks.py": "the system check reads PostgreSQL's server settings",
+    "ingest/services.py": "until the ingest split lands",
+}
+VENDOR = re.compile(r"connection\.vendor|\.vendor\s*[!=]=")
+
+
+def test_only_the_feature_places_ask_which_database_they_are_on():
+    asking = {
+        str(path.relative_to(ROOT))
+        for app in ("deliveries", "ingest")
+        for path in sorted((ROOT / app).rglob("*.py"))
+        if "migrations" not in path.parts and VENDOR.search(path.read_text())
+    }
+    assert asking == set(VENDOR_PLACES)

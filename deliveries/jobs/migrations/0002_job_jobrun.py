@@ -47,7 +47,7 @@ class Migration(migrations.Migration):
             ],
             options={
                 'indexes': [models.Index(models.F('queue'), models.OrderBy(models.F('priority'), descending=True), models.F('run_at'), condition=models.Q(('state', 'pending')), name='job_claimable'), models.Index(condition=models.Q(('state', 'running')), fields=['lease_until'], name='job_running'), models.Index(condition=models.Q(('deadline__isnull', False), ('state', 'pending')), fields=['deadline'], name='job_deadline'), models.Index(condition=models.Q(('state', 'dead')), fields=['finished_at'], name='job_dead')],
-                'constraints': [models.CheckConstraint(condition=models.Q(('state__in', ['pending', 'running', 'done', 'dead'])), name='job_state_valid'), models.CheckConstraint(condition=models.Q(models.Q(('state', 'running'), _negated=True), models.Q(('lease_token__isnull', False), ('lease_until__isnull', False)), _connector='OR'), name='job_running_has_lease'), models.UniqueConstraint(fields=('type', 'idempotency_key'), name='job_idempotency')],
+                'constraints': [models.CheckConstraint(condition=models.Q(('state__in', ['pending', 'running', 'done', 'dead'])), name='job_state_valid'), models.CheckConstraint(condition=models.Q(models.Q(('state', 'running'), _negated=True), models.Q(('lease_token__isnull', False), ('lease_until__isnull', False)), _connector='OR'), name='job_running_has_lease'), models.UniqueConstraint(condition=models.Q(('idempotency_key__isnull', False)), fields=('type', 'idempotency_key'), name='job_idempotency')],
             },
         ),
         migrations.CreateModel(

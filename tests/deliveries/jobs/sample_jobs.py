@@ -124,8 +124,8 @@ def slow(label="", seconds=5.0):
     _mark(label, started)
 
 
-@job("test.crashable", timeout=3)
-def crashable(label=""):
+@job("test.crashable", timeout=3, lock=lambda key="", **_: key)
+def crashable(label="", key=""):
     """Hangs on its first run (the test kills the worker meanwhile), returns after."""
     _mark(f"{label}:start", time.time())
     if current_job().attempt == 1:
