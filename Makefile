@@ -69,9 +69,10 @@ bench: $(VENV)/.bench-installed
 	DATABASE_URL="$${DATABASE_URL%/*}/webhooks_bench_backfill" $(PY) bench/backfill_memory.py; \
 	$(PY) bench/slow_clients.py
 
-## make soak: the drain-and-count chaos run (docs/reliability.md): 100,000 events through
-## the real commands while they are killed, on a private PostgreSQL cluster it starts,
-## restarts once and removes. SOAK_ARGS="--events 20000 --seed 7" to change it.
+## make soak: the drain-and-count chaos run (docs/reliability.md): 100,000 events and
+## 25,000 background jobs through the real commands while they are killed, on a private
+## PostgreSQL cluster it starts, restarts once and removes (about 35 minutes on 2 cores).
+## SOAK_ARGS="--events 20000 --seed 7" to change it.
 soak: $(VENV)/.dev-installed
 	$(PY) -m tests.chaos.soak $(SOAK_ARGS)
 

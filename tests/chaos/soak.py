@@ -1,8 +1,9 @@
 """Drain-and-count soak: publish events through the real scheduler, relay and workers to
 a misbehaving receiver while a driver kill -9s those processes, arms them to die at the
 named crash points, drops their database connections and restarts PostgreSQL; post
-signed inbound events with duplicates and reordering to a real gunicorn at the same
-time; then drain, count, and fail unless the ledger balances.
+signed inbound events with duplicates and reordering to a real gunicorn, and enqueue
+background jobs for ``run_jobs`` processes killed the same way, at the same time; then
+drain, count, and fail unless the ledger balances.
 
     python -m tests.chaos.soak --events 100000          # make soak
     python -m tests.chaos.soak --events 800 --short     # what the test suite runs
@@ -40,6 +41,7 @@ FAULT_POINTS = {
     "relay": ["relay.before_publish", "relay.after_publish"],
     "worker": ["worker.after_lease", "worker.after_send"],
     "scheduler": [],
+    "jobs": [],
 }
 STARTUP_SECONDS = 8.0  # time a restarted command needs to be up, on a busy 2-core machine
 CRASH_EXIT_CODE = (
@@ -56,6 +58,8 @@ class Config:
     fault_rate: float  # share of restarts armed with a crash point
     workers: int
     inbound: int
+    jobs: int
+    job_workers: int
     drain_timeout: float
     json_path: str | None = None
 
@@ -79,6 +83,13 @@ def child_env(cluster: PrivateCluster) -> dict[str, str]:
         "SCHEDULER_STALE_ENQUEUED_SECONDS": "20",
         "RELAY_CLAIM_SECONDS": "5",
         "INGEST_HANDLER_MODULES": "tests.chaos.handlers",
+        # Background jobs: the soak's job types (tests/chaos/jobs.py); a killed worker's
+        # jobs and entity locks come back after their timeout + 3 s; a job whose entity
+        # lock is held is tried again 0.2 s later.
+        "JOBS_MODULES": "tests.chaos.jobs",
+        "JOBS_LEASE_MARGIN": "3",
+        "JOBS_LOCK_RETRY": "0.2",
+        "JOBS_CONCURRENCY": "8",
         "LOG_LEVEL": "WARNING",
         "FAULT_INJECT_AT": "",
     }
@@ -116,12 +127,13 @@ class Proc:
     fault: str = ""
     log: Path | None = None
     started: float = field(default_factory=time.monotonic)
+    job_log: Path | None = None  # where its job runs are written (tests/chaos/jobs.py)
 
 
 class Fleet:
     """The real commands as child processes; only the driver kills them, and only these."""
 
-    def __init__(self, env: dict, log_dir: Path, workers: int) -> None:
+    def __init__(self, env: dict, log_dir: Path, workers: int, job_workers: int) -> None:
         self.env = env
         self.log_dir = log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -133,12 +145,16 @@ class Fleet:
                 f"worker-{i}": ("worker", ["run_workers", "--lanes", "3"])
                 for i in range(1, workers + 1)
             },
+            **{f"jobs-{i}": ("jobs", ["run_jobs"]) for i in range(1, job_workers + 1)},
         }
         self.kills: Counter = Counter()
         self.fault_deaths: Counter = Counter()
         self.armed: Counter = Counter()
         self.unexpected: list[str] = []
         self.starts = 0
+        # Each start's job-run file, and the wall-clock time its process was seen dead
+        # (None while it lives): a run it started and never ended ends there.
+        self.job_logs: dict[Path, float | None] = {}
 
     @property
     def killable(self) -> list[str]:
@@ -150,6 +166,11 @@ class Fleet:
         if fault:
             env.update(FAULT_INJECT_AT=fault, FAULT_INJECT_AFTER=str(fault_after))
             self.armed[fault] += 1
+        job_log = None
+        if kind == "jobs":
+            job_log = self.log_dir / f"job-runs-{role}-{self.starts}.jsonl"
+            env["SOAK_JOB_LOG"] = str(job_log)
+            self.job_logs[job_log] = None
         log = self.log_dir / f"{role}.log"
         with log.open("ab") as out:
             popen = subprocess.Popen(
@@ -159,8 +180,12 @@ class Fleet:
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
-        self.procs[role] = Proc(role, kind, popen, fault, log)
+        self.procs[role] = Proc(role, kind, popen, fault, log, job_log=job_log)
         self.starts += 1
+
+    def _dead(self, proc: Proc) -> None:
+        if proc.job_log is not None and self.job_logs.get(proc.job_log) is None:
+            self.job_logs[proc.job_log] = time.time()
 
     def kill(self, role: str) -> None:
         """SIGKILL ``role``; one that already died by itself (since the last reap) is
@@ -172,6 +197,7 @@ class Fleet:
             return
         proc.popen.send_signal(signal.SIGKILL)
         proc.popen.wait(10)
+        self._dead(proc)
         self.kills[proc.kind] += 1
 
     def reap(self, restart: bool = True) -> None:
@@ -186,6 +212,7 @@ class Fleet:
                 self.start(role)
 
     def _account(self, role: str, proc: Proc, rc: int) -> None:
+        self._dead(proc)  # seen dead now: at most one pass of the driver's loop late
         if rc == CRASH_EXIT_CODE and proc.fault:
             self.fault_deaths[proc.fault] += 1
         else:
@@ -210,6 +237,7 @@ class Fleet:
             except subprocess.TimeoutExpired:
                 proc.popen.kill()
                 codes[role] = proc.popen.wait()
+            self._dead(proc)
         return codes
 
 
@@ -234,52 +262,46 @@ def event_type_for(i: int, rng: random.Random) -> str:
 
 
 @dataclass
-class PublishStats:
-    published: int = 0
+class CommitStats:
+    committed: int = 0
     rolled_back: int = 0
     db_errors: int = 0
     error: str = ""
     done: threading.Event = field(default_factory=threading.Event)
 
 
-def publish(cfg: Config, tenant_id, stats: PublishStats, stop: threading.Event) -> None:
-    """The application: publishes in its own transactions, batch by batch, with an
-    idempotency key per event so that a batch whose commit is in doubt (the server went
-    away during COMMIT) is retried without publishing anything twice. A few batches
-    are rolled back on purpose: the process dies before the publish commits."""
+def commit_in_batches(
+    total: int,
+    batch: int,
+    wait,
+    write,
+    rng: random.Random,
+    stats: CommitStats,
+    stop: threading.Event,
+) -> None:
+    """The application's writes: ``write(chunk)`` for ``total`` items, ``batch`` to a
+    transaction, each batch once ``wait(its first item)`` (the seconds still to wait)
+    says it is time. Each item carries an idempotency key, so that a batch whose commit
+    is in doubt (the server went away during COMMIT) is retried without writing anything
+    twice. One batch in twenty is rolled back on purpose (the process dies before it
+    commits), then written again."""
     from django.db import InterfaceError, OperationalError, connection, transaction
 
-    from deliveries.models import Event
-    from deliveries.services import publish_event
-
-    rng = random.Random(cfg.seed + 1)
-    types = [event_type_for(i, rng) for i in range(cfg.events)]
-    started = time.monotonic()
-    seq, batch = 0, 25
+    seq = 0
 
     class _DiesBeforeCommit(Exception):
         pass
 
     try:
-        while seq < cfg.events and not stop.is_set():
-            chunk = list(range(seq, min(cfg.events, seq + batch)))
-            keys = [f"soak-{i}" for i in chunk]
+        while seq < total and not stop.is_set():
+            ahead = wait(seq)
+            if ahead > 0:
+                time.sleep(ahead)
+                continue
+            chunk = list(range(seq, min(total, seq + batch)))
             try:
                 with transaction.atomic():
-                    done = set(
-                        Event.objects.filter(
-                            tenant_id=tenant_id, idempotency_key__in=keys
-                        ).values_list("idempotency_key", flat=True)
-                    )
-                    for i, key in zip(chunk, keys, strict=True):
-                        if key not in done:
-                            publish_event(
-                                tenant=tenant_id,
-                                event_type=types[i],
-                                payload={"seq": i, "type": types[i], "pad": "x" * 200},
-                                entity_id=f"soak:{i % 997}",
-                                idempotency_key=key,
-                            )
+                    write(chunk)
                     if rng.random() < 0.05:
                         raise _DiesBeforeCommit
             except _DiesBeforeCommit:
@@ -292,16 +314,107 @@ def publish(cfg: Config, tenant_id, stats: PublishStats, stop: threading.Event) 
                 time.sleep(0.5)
                 continue
             seq += len(chunk)
-            stats.published = seq
-            ahead = seq / cfg.rate - (time.monotonic() - started)
-            if ahead > 0:
-                time.sleep(ahead)
-    except Exception as exc:  # the run must fail loudly, not stop publishing quietly
+            stats.committed = seq
+    except Exception as exc:  # the run must fail loudly, not stop writing quietly
         stats.error = repr(exc)
         raise
     finally:
         connection.close()
         stats.done.set()
+
+
+def publish(cfg: Config, tenant_id, stats: CommitStats, stop: threading.Event) -> None:
+    """The application's events, 25 a transaction, at ``cfg.rate`` a second."""
+    from deliveries.models import Event
+    from deliveries.services import publish_event
+
+    rng = random.Random(cfg.seed + 1)
+    types = [event_type_for(i, rng) for i in range(cfg.events)]
+
+    def write(chunk: list[int]) -> None:
+        keys = [f"soak-{i}" for i in chunk]
+        done = set(
+            Event.objects.filter(tenant_id=tenant_id, idempotency_key__in=keys).values_list(
+                "idempotency_key", flat=True
+            )
+        )
+        for i, key in zip(chunk, keys, strict=True):
+            if key not in done:
+                publish_event(
+                    tenant=tenant_id,
+                    event_type=types[i],
+                    payload={"seq": i, "type": types[i], "pad": "x" * 200},
+                    entity_id=f"soak:{i % 997}",
+                    idempotency_key=key,
+                )
+
+    started = time.monotonic()
+
+    def wait(seq: int) -> float:
+        return seq / cfg.rate - (time.monotonic() - started)
+
+    commit_in_batches(cfg.events, 25, wait, write, rng, stats, stop)
+
+
+# --- Background jobs ---------------------------------------------------------------------
+
+ENTITIES = 8  # the entity lock keys the locked jobs share
+
+
+def job_mix(n: int, seed: int) -> list[tuple[str, dict]]:
+    """(type, payload) of each job, by a seeded draw: plain and entity-locked jobs that
+    succeed, jobs that fail once or twice then succeed, jobs that ask for a retry after
+    0.5 s, jobs that ``Fail`` and jobs that spend their attempts (tests/chaos/jobs.py).
+    Locked jobs take 30-150 ms, so that two overlapping would show and a kill -9 finds
+    some in the middle of a run."""
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(n):
+        draw = rng.random()
+        entity = rng.randrange(ENTITIES)
+        if draw < 0.30:
+            job_type, locked = "soak.ok", False
+        elif draw < 0.60:
+            job_type, locked = "soak.ok", True
+        elif draw < 0.75:
+            job_type, locked = "soak.flaky", rng.random() < 0.5
+        elif draw < 0.83:
+            job_type, locked = "soak.retry_after", rng.random() < 0.4
+        elif draw < 0.92:
+            job_type, locked = "soak.fail", rng.random() < 0.4
+        else:
+            job_type, locked = "soak.exhaust", rng.random() < 0.4
+        ms = rng.uniform(30, 150) if locked else rng.uniform(0, 50)
+        payload = {"i": i, "ms": round(ms, 1)}
+        if locked:
+            payload["entity"] = entity
+        if job_type == "soak.flaky":
+            payload["succeed_on"] = rng.choice((2, 3))
+        jobs.append((job_type, payload))
+    return jobs
+
+
+def enqueue_jobs(
+    cfg: Config, stats: CommitStats, published: CommitStats, stop: threading.Event
+) -> None:
+    """The application's background jobs, ten a transaction, keeping pace with the
+    events ``published`` (so they meet the same chaos however fast this machine
+    publishes); ``enqueue`` with an idempotency key returns the job a batch in doubt
+    already wrote."""
+    from deliveries.jobs.background import enqueue
+
+    jobs = job_mix(cfg.jobs, cfg.seed + 3)
+
+    def write(chunk: list[int]) -> None:
+        for i in chunk:
+            job_type, payload = jobs[i]
+            enqueue(job_type, payload, idempotency_key=f"soak-job-{i}")
+
+    def wait(seq: int) -> float:
+        behind = published.committed * cfg.jobs < seq * cfg.events
+        return 0.05 if behind and not published.done.is_set() else 0.0
+
+    commit_in_batches(cfg.jobs, 10, wait, write, random.Random(cfg.seed + 4), stats, stop)
 
 
 # --- Inbound sender ----------------------------------------------------------------------
@@ -577,7 +690,196 @@ def inbound_ledger(stats: SendStats) -> dict:
     }
 
 
-def print_ledger(out: dict, chaos: dict, inbound: dict, cfg: Config) -> None:
+@dataclass
+class JobRunSpan:
+    """One run of a job function as its process wrote it (tests/chaos/jobs.py)."""
+
+    job: str
+    attempt: int
+    key: str
+    start: float
+    end: float
+    outcome: str  # ok, retry, error, fail; "killed": its process died during it
+
+
+def read_job_runs(job_logs: dict) -> tuple[list[JobRunSpan], list[str]]:
+    """Every run in the job-run files; a run without an end ends when its process was
+    seen dead (kill -9, or the stop)."""
+    spans, problems = [], []
+    for path, died in job_logs.items():
+        if not path.exists():
+            continue
+        open_runs: dict[tuple, dict] = {}
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            ident = (rec["job"], rec["attempt"])
+            if rec["ev"] == "start":
+                open_runs[ident] = rec
+                continue
+            begun = open_runs.pop(ident, None)
+            if begun is None:
+                problems.append(f"{path.name}: an end without a start: {line}")
+                continue
+            spans.append(
+                JobRunSpan(
+                    rec["job"], rec["attempt"], rec["key"], begun["t"], rec["t"], rec["outcome"]
+                )
+            )
+        for (job_id, attempt), begun in open_runs.items():
+            if died is None:
+                problems.append(f"{path.name}: run of {job_id} unfinished, process not seen dead")
+                died = float("inf")
+            spans.append(JobRunSpan(job_id, attempt, begun["key"], begun["t"], died, "killed"))
+    return spans, problems
+
+
+def lock_overlaps(spans: list[JobRunSpan]) -> list[tuple[JobRunSpan, JobRunSpan]]:
+    """Pairs of runs under one entity lock key whose intervals intersect: for each key,
+    by start time, a run that starts before the latest end of the runs before it."""
+    by_key: dict[str, list[JobRunSpan]] = {}
+    for span in spans:
+        if span.key:
+            by_key.setdefault(span.key, []).append(span)
+    overlaps = []
+    for runs in by_key.values():
+        runs.sort(key=lambda r: r.start)
+        latest = runs[0]
+        for run in runs[1:]:
+            if run.start < latest.end:
+                overlaps.append((latest, run))
+            if run.end > latest.end:
+                latest = run
+    return overlaps
+
+
+def jobs_ledger(cfg: Config, stats: CommitStats, job_logs: dict) -> dict:
+    """Every job enqueued ends done or, the ones designed to die, dead with their reason;
+    none left pending or running; no two runs under one entity lock overlap in time;
+    every done job's function completed at least once; a recorded ``Retry(after=s)`` is
+    honoured (the next attempt starts s seconds after the run that asked at least)."""
+    from deliveries.jobs.models import Job, JobRun
+    from tests.chaos.jobs import EXHAUST_ATTEMPTS, FAIL_REASON
+
+    jobs = {
+        str(j["id"]): j
+        for j in Job.objects.filter(type__startswith="soak.").values(
+            "id", "type", "state", "dead_reason", "idempotency_key", "payload"
+        )
+    }
+    problems: list[str] = []
+    lost = unexpected = 0
+    seqs = sorted(int(j["idempotency_key"].removeprefix("soak-job-")) for j in jobs.values())
+    if seqs != list(range(stats.committed)):
+        lost += max(0, stats.committed - len(set(seqs)))
+        problems.append(f"enqueued sequence has gaps or repeats: {len(seqs)} jobs")
+    states = Counter(j["state"] for j in jobs.values())
+    exhausted = f"attempts exhausted ({EXHAUST_ATTEMPTS}): "
+    designed_to_die = {"soak.fail", "soak.exhaust"}
+
+    def reason_ok(j) -> bool:
+        if j["type"] == "soak.fail":
+            return j["dead_reason"] == FAIL_REASON
+        # Its last attempt either raised or was cut by a kill: both spend it.
+        return j["dead_reason"].startswith(exhausted) or (
+            j["dead_reason"] == "lease expired on the last attempt"
+        )
+
+    done = dead_by_policy = 0
+    dead_reasons: Counter = Counter()
+    for job_id, j in jobs.items():
+        if j["state"] in ("pending", "running"):
+            lost += 1
+            problems.append(f"job {job_id} ({j['type']}) still {j['state']} after the drain")
+        elif j["type"] in designed_to_die:
+            if j["state"] == "dead" and reason_ok(j):
+                dead_by_policy += 1
+                dead_reasons[
+                    j["dead_reason"].split(": ")[0]
+                    if j["type"] == "soak.exhaust"
+                    else j["dead_reason"]
+                ] += 1
+            else:
+                unexpected += 1
+                problems.append(
+                    f"job {job_id} ({j['type']}) ended {j['state']}: {j['dead_reason']}"
+                )
+        elif j["state"] == "done":
+            done += 1
+        else:
+            unexpected += 1
+            problems.append(f"job {job_id} ({j['type']}) ended {j['state']}: {j['dead_reason']}")
+
+    spans, read_problems = read_job_runs(job_logs)
+    problems += read_problems[:5]
+    completed = Counter(s.job for s in spans if s.outcome == "ok")
+    never_ran = [k for k, j in jobs.items() if j["state"] == "done" and not completed[k]]
+    if never_ran:
+        lost += len(never_ran)
+        problems.append(f"{len(never_ran)} jobs done whose function never completed")
+    foreign = {s.job for s in spans} - set(jobs)
+    if foreign:
+        unexpected += len(foreign)
+        problems.append(f"{len(foreign)} jobs ran that were never committed (rolled back?)")
+    overlaps = lock_overlaps(spans)
+    for a, b in overlaps[:5]:
+        problems.append(
+            f"lock {a.key}: {b.job}#{b.attempt} started {a.end - b.start:.3f} s before "
+            f"{a.job}#{a.attempt} ({a.outcome}) ended"
+        )
+
+    runs = Counter(
+        JobRun.objects.filter(job__type__startswith="soak.").values_list("outcome", flat=True)
+    )
+    recorded = set(
+        JobRun.objects.filter(
+            job__type="soak.retry_after", outcome__in=["retry", "lost"]
+        ).values_list("job_id", "attempt", "outcome")
+    )
+    by_attempt: dict[tuple, list[JobRunSpan]] = {}
+    for span in spans:
+        by_attempt.setdefault((span.job, span.attempt), []).append(span)
+    retry_checked = retry_early = 0
+    for job_id, attempt, outcome in recorded:
+        # A retry recorded for the attempt that the sweep did not take back first.
+        if outcome != "retry" or (job_id, attempt, "lost") in recorded:
+            continue
+        asked = [s for s in by_attempt.get((str(job_id), attempt), []) if s.outcome == "retry"]
+        after = jobs[str(job_id)]["payload"].get("after", 0.5)
+        for asking in asked:
+            for nxt in by_attempt.get((str(job_id), attempt + 1), []):
+                retry_checked += 1
+                if nxt.start < asking.end + after:
+                    retry_early += 1
+                    gap = nxt.start - asking.end
+                    problems.append(f"job {job_id} ran again {gap:.3f} s after Retry({after})")
+    if stats.error:
+        problems.insert(0, f"the enqueuer stopped: {stats.error}")
+        lost += cfg.jobs - stats.committed
+    return {
+        "enqueued": len(jobs),
+        "done": done,
+        "dead_by_policy": dead_by_policy,
+        "dead_reasons": dict(dead_reasons),
+        "designed_to_die": sum(1 for j in jobs.values() if j["type"] in designed_to_die),
+        "lost": lost,
+        "unexpected": unexpected,
+        "states": dict(states),
+        "runs_logged": len(spans),
+        "runs_killed": sum(1 for s in spans if s.outcome == "killed"),
+        "completed_more_than_once": sum(1 for n in completed.values() if n > 1),
+        "locked_runs": sum(1 for s in spans if s.key),
+        "lock_keys": len({s.key for s in spans if s.key}),
+        "overlaps": len(overlaps),
+        "retry_after_checked": retry_checked,
+        "retry_after_early": retry_early,
+        "runs_recorded": dict(runs),
+        "rolled_back": stats.rolled_back,
+        "db_errors": stats.db_errors,
+        "problems": problems[:20],
+    }
+
+
+def print_ledger(out: dict, chaos: dict, inbound: dict, jobs: dict, cfg: Config) -> None:
     rows = [
         ("seed", cfg.seed),
         ("events published", out["events"]),
@@ -637,13 +939,45 @@ def print_ledger(out: dict, chaos: dict, inbound: dict, cfg: Config) -> None:
             "  entities at their newest event",
             f"{inbound['entities_at_newest']} / {inbound['entities']}",
         ),
+        ("jobs enqueued", jobs["enqueued"]),
+        ("  done", jobs["done"]),
+        (
+            "  dead by policy (of designed to die)",
+            f"{jobs['dead_by_policy']} ({jobs['designed_to_die']}): "
+            + ", ".join(f"{k} {v}" for k, v in sorted(jobs["dead_reasons"].items())),
+        ),
+        ("  lost (pending or running after the drain)", jobs["lost"]),
+        ("  unexpected", jobs["unexpected"]),
+        (
+            "  runs logged / cut by kill -9",
+            f"{jobs['runs_logged']} / {jobs['runs_killed']}",
+        ),
+        ("  completed more than once (at least once)", jobs["completed_more_than_once"]),
+        (
+            "  runs under entity locks / keys / overlaps",
+            f"{jobs['locked_runs']} / {jobs['lock_keys']} / {jobs['overlaps']}",
+        ),
+        (
+            "  Retry(after) checked / early",
+            f"{jobs['retry_after_checked']} / {jobs['retry_after_early']}",
+        ),
+        (
+            "  runs recorded",
+            ", ".join(f"{k} {v}" for k, v in sorted(jobs["runs_recorded"].items())),
+        ),
+        (
+            "  enqueue batches rolled back / db errors",
+            f"{jobs['rolled_back']} / {jobs['db_errors']}",
+        ),
         ("drain (s) / total (s)", f"{chaos['drain_seconds']:.0f} / {chaos['total_seconds']:.0f}"),
     ]
     width = max(len(k) for k, _ in rows)
     print("\n== soak ledger")
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
-    for p in out["problems"] + inbound["problems"] + chaos["unexpected_exits"][:5]:
+    for p in (
+        out["problems"] + inbound["problems"] + jobs["problems"] + chaos["unexpected_exits"][:5]
+    ):
         print(f"! {p}")
 
 
@@ -651,7 +985,10 @@ def print_ledger(out: dict, chaos: dict, inbound: dict, cfg: Config) -> None:
 
 
 def run(cfg: Config) -> int:
-    print(f"soak: seed {cfg.seed}, {cfg.events} events, {cfg.inbound} inbound", flush=True)
+    print(
+        f"soak: seed {cfg.seed}, {cfg.events} events, {cfg.inbound} inbound, {cfg.jobs} jobs",
+        flush=True,
+    )
 
     def interrupted(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
@@ -668,7 +1005,7 @@ def run(cfg: Config) -> int:
         from django.db import connection
 
         from deliveries import services
-        from deliveries.jobs.models import Outbox, QueueMessage
+        from deliveries.jobs.models import Job, Outbox, QueueMessage
         from deliveries.models import Delivery, Tenant
         from ingest.models import InboundEvent
         from ingest.sources import source_create
@@ -698,7 +1035,7 @@ def run(cfg: Config) -> int:
         inbound_secret = "whsec_" + base64.b64encode(os.urandom(24)).decode()
         source_create(slug=SOURCE, scheme="standard", secrets=[inbound_secret])
 
-        fleet = Fleet(env, cluster.dir / "logs", cfg.workers)
+        fleet = Fleet(env, cluster.dir / "logs", cfg.workers, cfg.job_workers)
         for role in fleet.killable:
             fleet.start(role)
         web_port = free_port()
@@ -717,10 +1054,14 @@ def run(cfg: Config) -> int:
         )
 
         connection.close()
-        pub = PublishStats()
+        pub = CommitStats()
         stop_publishing = threading.Event()
         threading.Thread(
             target=publish, args=(cfg, tenant.id, pub, stop_publishing), daemon=True
+        ).start()
+        queued = CommitStats()
+        threading.Thread(
+            target=enqueue_jobs, args=(cfg, queued, pub, stop_publishing), daemon=True
         ).start()
         sent = SendStats()
         publish_seconds = cfg.events / cfg.rate
@@ -742,10 +1083,10 @@ def run(cfg: Config) -> int:
         pg_restarts = terminated = 0
         next_kill = time.monotonic() + rng.uniform(*cfg.kill_every)
         last_report = time.monotonic()
-        while not (pub.done.is_set() and sent.done.is_set()):
+        while not (pub.done.is_set() and sent.done.is_set() and queued.done.is_set()):
             time.sleep(0.1)
             fleet.reap()
-            progress = pub.published / cfg.events
+            progress = pub.committed / cfg.events
             if not pg_restarts and progress >= restart_at:
                 away = cluster.restart("immediate")
                 pg_restarts += 1
@@ -757,7 +1098,9 @@ def run(cfg: Config) -> int:
                 terminated = cluster.terminate_backends()
                 print(f"soak: {terminated} connections terminated at {progress:.0%}", flush=True)
             if time.monotonic() >= next_kill:
-                role = rng.choice(fleet.killable)
+                # Every kind of process is killed at least once, then any at random.
+                spared = [r for r in fleet.killable if not fleet.kills[fleet.commands[r][0]]]
+                role = rng.choice(spared or fleet.killable)
                 fleet.kill(role)
                 points = FAULT_POINTS[fleet.commands[role][0]]
                 if points and rng.random() < cfg.fault_rate:
@@ -768,8 +1111,8 @@ def run(cfg: Config) -> int:
             if time.monotonic() - last_report > 15:
                 last_report = time.monotonic()
                 print(
-                    f"soak: published {pub.published}/{cfg.events}, inbound copies {sent.copies}, "
-                    f"kills {sum(fleet.kills.values())}",
+                    f"soak: published {pub.committed}/{cfg.events}, inbound copies {sent.copies}, "
+                    f"jobs {queued.committed}/{cfg.jobs}, kills {sum(fleet.kills.values())}",
                     flush=True,
                 )
 
@@ -784,6 +1127,12 @@ def run(cfg: Config) -> int:
                 for s in InboundEvent.objects.filter(
                     state__in=["pending", "enqueued", "processing"]
                 ).values_list("state", flat=True)
+            )
+            found += Counter(
+                f"job {s}"
+                for s in Job.objects.filter(state__in=["pending", "running"]).values_list(
+                    "state", flat=True
+                )
             )
             found["queue messages"] = QueueMessage.objects.count()
             connection.close()
@@ -812,6 +1161,7 @@ def run(cfg: Config) -> int:
                     ).exists()
                     or Outbox.objects.filter(published_at__isnull=True).exists()
                     or QueueMessage.objects.exists()
+                    or Job.objects.filter(state__in=["pending", "running"]).exists()
                 )
             finally:
                 connection.close()
@@ -832,8 +1182,9 @@ def run(cfg: Config) -> int:
         out = outbound_ledger(cfg, tenant.id, receiver, paths)
         if pub.error:
             out["problems"].insert(0, f"the publisher stopped: {pub.error}")
-            out["lost"] += cfg.events - pub.published
+            out["lost"] += cfg.events - pub.committed
         inbound = inbound_ledger(sent)
+        jobs = jobs_ledger(cfg, queued, fleet.job_logs)
         chaos = {
             "kills": dict(fleet.kills),
             "armed": dict(fleet.armed),
@@ -848,7 +1199,7 @@ def run(cfg: Config) -> int:
             "drain_seconds": drain_seconds,
             "total_seconds": time.monotonic() - started,
         }
-        print_ledger(out, chaos, inbound, cfg)
+        print_ledger(out, chaos, inbound, jobs, cfg)
         ok = (
             drained
             and out["balanced"]
@@ -857,6 +1208,11 @@ def run(cfg: Config) -> int:
             and out["in_flight"] == 0
             and out["bad_signatures"] == 0
             and not inbound["problems"]
+            and not jobs["problems"]
+            and jobs["lost"] == 0
+            and jobs["unexpected"] == 0
+            and jobs["overlaps"] == 0
+            and jobs["done"] + jobs["dead_by_policy"] == jobs["enqueued"] == cfg.jobs
             and not fleet.unexpected
             and all(code == 0 for code in stop_codes.values())
             and pg_restarts == 1
@@ -869,6 +1225,7 @@ def run(cfg: Config) -> int:
                         "seed": cfg.seed,
                         "outbound": out,
                         "inbound": inbound,
+                        "jobs": jobs,
                         "chaos": chaos,
                     },
                     default=str,
@@ -899,6 +1256,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fault-rate", type=float, default=0.4)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--inbound", type=int, default=None, help="inbound events (events / 10)")
+    parser.add_argument("--jobs", type=int, default=None, help="background jobs (events / 4)")
+    parser.add_argument("--job-workers", type=int, default=2, help="run_jobs processes")
     parser.add_argument("--drain-timeout", type=float, default=600)
     parser.add_argument("--short", action="store_true", help="the test suite's settings")
     parser.add_argument("--json", dest="json_path", default=None)
@@ -908,10 +1267,14 @@ def main(argv=None) -> int:
         events=a.events,
         seed=seed,
         rate=a.rate or (100.0 if a.short else 150.0),
-        kill_every=tuple(a.kill_every or ((1.0, 3.0) if a.short else (2.0, 6.0))),
+        # --short publishes for about 8 s: a kill every 0.5-1.5 s makes at least five,
+        # enough for the first round to reach every kind of process.
+        kill_every=tuple(a.kill_every or ((0.5, 1.5) if a.short else (2.0, 6.0))),
         fault_rate=a.fault_rate,
         workers=a.workers,
         inbound=a.inbound if a.inbound is not None else max(50, a.events // 10),
+        jobs=a.jobs if a.jobs is not None else max(100, a.events // 4),
+        job_workers=a.job_workers,
         drain_timeout=a.drain_timeout,
         json_path=a.json_path,
     )

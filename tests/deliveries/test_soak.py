@@ -1,8 +1,9 @@
 """The short drain-and-count soak (tests/chaos/soak.py, docs/reliability.md) inside the
-suite: the real scheduler, relay, workers and gunicorn on a private PostgreSQL cluster,
-killed with kill -9 and at the named crash points, the cluster restarted once and every
-connection terminated once, a receiver that fails, throttles, hangs, drops connections
-and answers 410; then a full drain, and the ledger must balance.
+suite: the real scheduler, relay, workers, run_jobs and gunicorn on a private PostgreSQL
+cluster, killed with kill -9 and at the named crash points, the cluster restarted once
+and every connection terminated once, a receiver that fails, throttles, hangs, drops
+connections and answers 410, background jobs that succeed, retry, fail and share entity
+locks; then a full drain, and the ledger must balance.
 
 The seed is random and printed (SOAK_SEED=n to replay one)."""
 
@@ -51,10 +52,12 @@ def test_the_short_soak_drains_and_its_ledger_balances():
     shown = ledger_lines(result.stdout) + result.stderr[-2000:]
     assert report, shown
     out, inbound, chaos = report["outbound"], report["inbound"], report["chaos"]
+    jobs = report["jobs"]
     print(ledger_lines(result.stdout))
 
     # The chaos really happened.
-    assert sum(chaos["kills"].values()) >= 3, shown
+    assert sum(chaos["kills"].values()) >= 5, shown
+    assert set(chaos["kills"]) == {"jobs", "relay", "scheduler", "worker"}, shown
     assert chaos["pg_restarts"] == 1 and chaos["terminated"] > 0, shown
     assert out["cut_off"] > 0 and out["receiver_actions"].get("drop", 0) > 0, shown
     # The ledger: everything published is accounted for, nothing lost or unexplained.
@@ -68,4 +71,14 @@ def test_the_short_soak_drains_and_its_ledger_balances():
     # Inbound: one application per event, whatever the copies and their order.
     assert inbound["applied_once"] == inbound["events"] and inbound["applied_twice"] == 0, shown
     assert inbound["entities_at_newest"] == inbound["entities"], shown
+    # Jobs: each ends done, or dead by its design with its reason; none left pending or
+    # running; no two runs under one entity lock at the same time.
+    assert jobs["enqueued"] == 200 and jobs["lost"] == 0 and jobs["unexpected"] == 0, shown
+    assert jobs["done"] + jobs["dead_by_policy"] == jobs["enqueued"], shown
+    assert jobs["dead_by_policy"] == jobs["designed_to_die"] > 0, shown
+    assert jobs["states"] == {"done": jobs["done"], "dead": jobs["dead_by_policy"]}, shown
+    assert jobs["lock_keys"] == 8 and jobs["locked_runs"] > 50 and jobs["overlaps"] == 0, shown
+    assert jobs["retry_after_checked"] > 0 and jobs["retry_after_early"] == 0, shown
+    assert jobs["runs_recorded"].get("error", 0) > 0, shown  # flaky and exhausted runs
+    assert not jobs["problems"], shown
     assert result.returncode == 0 and report["ok"], shown
