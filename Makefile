@@ -81,7 +81,7 @@ clean:
 ## pyproject.toml.
 lock: $(VENV)/.dev-installed
 	$(PY) -m pip install -q pip-tools==7.6.2
-	for f in base otel dev; do \
+	for f in base otel dev bench; do \
 	  $(VENV)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
 	    --no-emit-index-url --no-emit-find-links $(PIP_COMPILE_ARGS) \
 	    -o requirements/$$f.txt requirements/$$f.in; \
