@@ -177,6 +177,43 @@ def dead_letter_check(now: datetime) -> list[Signal]:
 register_check("dead_letters", dead_letter_check)
 
 
+def dead_job_check(now: datetime) -> list[Signal]:
+    """The host's background jobs that went dead since the previous check (index
+    job_dead), by type: the reason of the latest of each type is in the details."""
+    from .jobs.models import Job, JobState
+
+    with transaction.atomic():
+        mark = checkpoint("dead_jobs", now)
+        since = mark.checked_at
+        dead = Job.objects.filter(state=JobState.DEAD, finished_at__gt=since, finished_at__lte=now)
+        by_type = list(dead.values_list("type").annotate(n=Count("id")).order_by("-n")[:1000])
+        latest = dead.order_by("-finished_at").values_list("type", "id", "dead_reason")[:10]
+        mark.checked_at = now
+        mark.save(update_fields=["checked_at"])
+    total = sum(n for _, n in by_type)
+    if not total or total < settings.ALERTS_DEAD_LETTER_THRESHOLD:
+        return []
+    return [
+        Signal(
+            kind=Kind.DEAD_JOBS,
+            key="all",
+            summary=f"{total} background jobs dead since {since.isoformat()}",
+            details={
+                "count": total,
+                "since": since.isoformat(),
+                "until": now.isoformat(),
+                "types": dict(by_type[:10]),
+                "latest": [
+                    {"type": t, "job_id": str(i), "reason": reason[:200]} for t, i, reason in latest
+                ],
+            },
+        )
+    ]
+
+
+register_check("dead_jobs", dead_job_check)
+
+
 # --- Running and notifying ---------------------------------------------------------------
 
 

@@ -68,6 +68,15 @@ DEFAULTS: dict[str, object] = {
     "WORKER_CONCURRENCY": 512,
     "WORKER_IDLE_SLEEP": 0.05,
     "WORKER_SHUTDOWN_GRACE": 25.0,
+    # The host's background jobs (deliveries.jobs.background): modules that register
+    # @job functions, imported at start; jobs run at once per run_jobs process; running
+    # jobs per tenant at most (0: no cap); seconds a lease outlasts a job's timeout; the
+    # wait before a job whose entity lock is held is tried again.
+    "JOBS_MODULES": (),
+    "JOBS_CONCURRENCY": 16,
+    "JOBS_TENANT_CONCURRENCY": 8,
+    "JOBS_LEASE_MARGIN": 30.0,
+    "JOBS_LOCK_RETRY": 1.0,
     # Seconds between heartbeats of every long-running command; six missed: not running.
     "LOOP_HEARTBEAT_SECONDS": 10.0,
     # The pipeline's transport (relay to workers): a django-q2 broker class, its queue,

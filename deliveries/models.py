@@ -580,6 +580,7 @@ class OperationalEvent(models.Model):
         DEAD_LETTERS = "dead_letters"
         ENDPOINT_DISABLED = "endpoint_disabled"
         VERIFICATION_FAILURES = "verification_failures"
+        DEAD_JOBS = "dead_jobs"
 
     class Severity(models.TextChoices):
         WARNING = "warning"

@@ -15,17 +15,11 @@ whatever put it there (an exception message, a third-party logger).
 
 import json
 import logging
-import re
 from datetime import UTC, datetime
 
+from deliveries.text import mask_secrets
+
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
-_SECRET = re.compile(r"(whsec_|whk_)[A-Za-z0-9+/=_\-]{6,}")
-
-
-def mask_secrets(text: str) -> str:
-    if "whsec_" not in text and "whk_" not in text:
-        return text
-    return _SECRET.sub(lambda m: m.group(1) + "[redacted]", text)
 
 
 class JsonFormatter(logging.Formatter):

@@ -1,11 +1,14 @@
-"""The job machinery's tables. They keep the names they had when they were the deliveries
-app's (``deliveries_outbox``…): moving them here changed Django's state only, not the
-database (migration 0001)."""
+"""The job machinery's tables. The outbox, the queue, the entity locks and the loop runs
+keep the names they had when they were the deliveries app's (``deliveries_outbox``…):
+moving them here changed Django's state only, not the database (migration 0001). The
+host's background jobs (``Job``, ``JobRun``) are this app's own tables."""
 
 import uuid
 
 from django.db import models
 from django.db.models import Q
+
+from .ids import uuid7
 
 
 class Outbox(models.Model):
@@ -83,6 +86,7 @@ class LoopRun(models.Model):
         RELAY = "relay"
         WORKERS = "workers"
         POLL = "poll"
+        JOBS = "jobs"
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     kind = models.CharField(max_length=16, choices=Kind.choices)
@@ -98,3 +102,130 @@ class LoopRun(models.Model):
     class Meta:
         db_table = "deliveries_looprun"
         indexes = [models.Index(fields=["kind", "-started_at"], name="looprun_kind_started")]
+
+
+class JobState(models.TextChoices):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    DEAD = "dead"
+
+
+class Job(models.Model):
+    """One of the host's background jobs (``deliveries.jobs.background``): the row is the
+    queue entry itself. Committed, it is claimable by ``run_jobs``; the claim sets
+    ``running`` and a lease in one statement, the worker records the outcome in another.
+    Only ``deliveries.jobs.job_queries`` changes ``state``, always by guarded UPDATE.
+
+    ``attempts`` counts the claims that ran (or may have run) the function; ``run_at`` is
+    when the job is next due. The row keeps only the current state; every run is a
+    ``JobRun``."""
+
+    State = JobState
+
+    id = models.UUIDField(primary_key=True, default=uuid7, editable=False)
+    type = models.CharField(max_length=200)
+    queue = models.CharField(max_length=100, default="default")
+    # Higher runs sooner, as on the outbox and the broker's queue.
+    priority = models.SmallIntegerField(default=0)
+    # The tenant's id as a plain column, no foreign key: the machinery never imports the
+    # products' models (deliveries.Tenant), and a host may have tenants of its own.
+    tenant_id = models.UUIDField(null=True, blank=True)
+    payload = models.JSONField(default=dict)
+    version = models.PositiveSmallIntegerField(default=1)
+    # NULL, not "": jobs without a key never conflict under job_idempotency.
+    idempotency_key = models.CharField(max_length=200, null=True, blank=True)  # noqa: DJ001
+    state = models.CharField(max_length=16, choices=JobState.choices, default=JobState.PENDING)
+    run_at = models.DateTimeField()
+    deadline = models.DateTimeField(null=True, blank=True)
+    attempts = models.PositiveIntegerField(default=0)
+    max_attempts = models.PositiveIntegerField(default=5)
+    lease_token = models.UUIDField(null=True, blank=True)
+    lease_until = models.DateTimeField(null=True, blank=True)
+    # The entity lock the job runs under ("" for none), computed at enqueue.
+    lock_key = models.CharField(max_length=300, default="", blank=True)
+    progress_done = models.BigIntegerField(null=True, blank=True)
+    progress_total = models.BigIntegerField(null=True, blank=True)
+    progress_updated_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(default="", blank=True)
+    dead_reason = models.CharField(max_length=500, default="", blank=True)
+    created_at = models.DateTimeField()
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(condition=Q(state__in=JobState.values), name="job_state_valid"),
+            # A running job has a lease: the sweep finds it when its holder dies.
+            models.CheckConstraint(
+                condition=~Q(state=JobState.RUNNING)
+                | Q(lease_token__isnull=False, lease_until__isnull=False),
+                name="job_running_has_lease",
+            ),
+            # A second enqueue with the same key is a no-op (NULL keys never conflict).
+            models.UniqueConstraint(fields=["type", "idempotency_key"], name="job_idempotency"),
+        ]
+        indexes = [
+            # The claim (run_jobs): due pending jobs of a queue, by priority then run_at.
+            models.Index(
+                "queue",
+                models.F("priority").desc(),
+                "run_at",
+                condition=Q(state=JobState.PENDING),
+                name="job_claimable",
+            ),
+            # The lease sweep (the "job" kind's schedule) and the claim's count of running
+            # jobs per tenant.
+            models.Index(
+                fields=["lease_until"], condition=Q(state=JobState.RUNNING), name="job_running"
+            ),
+            # The deadline sweep: pending jobs that carry a deadline.
+            models.Index(
+                fields=["deadline"],
+                condition=Q(state=JobState.PENDING, deadline__isnull=False),
+                name="job_deadline",
+            ),
+            # The dead-job alert check (deliveries.alerts) and retention, by finish time.
+            models.Index(fields=["finished_at"], condition=Q(state=JobState.DEAD), name="job_dead"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.type} {self.id}"
+
+
+class JobOutcome(models.TextChoices):
+    DONE = "done"
+    RETRY = "retry"  # raise Retry(after=...)
+    ERROR = "error"  # an exception: retried by the policy, or dead when spent
+    TIMEOUT = "timeout"
+    FAILED = "failed"  # raise Fail(...): dead at once
+    UNREADABLE = "unreadable"  # unknown type or payload version: dead
+    RELEASED = "released"  # SIGTERM past the grace: given back unfinished
+    LOST = "lost"  # the lease expired: the worker died or hung (the scheduler's sweep)
+
+
+class JobRun(models.Model):
+    """One run of a job: appended when the worker records it, never updated."""
+
+    Outcome = JobOutcome
+
+    id = models.BigAutoField(primary_key=True)
+    # The machinery's own table: a foreign key like any other. Its index lists a job's
+    # runs (admin, REST progress).
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="runs")
+    attempt = models.PositiveIntegerField()
+    # The run_jobs process (its LoopRun id) that ran it.
+    run_id = models.UUIDField(null=True, blank=True)
+    started_at = models.DateTimeField()
+    duration_ms = models.FloatField()
+    outcome = models.CharField(max_length=16, choices=Outcome.choices)
+    # The traceback of an error, secrets masked; "" for a run that returned.
+    error = models.TextField(default="", blank=True)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(outcome__in=JobOutcome.values),
+                name="jobrun_outcome_valid",
+            ),
+        ]

@@ -11,6 +11,8 @@ the work, so the notification arrives when the work is visible:
   now; wakes the scheduler, so that new work does not wait for its next look (up to
   ``SCHEDULER_INTERVAL``). Work that falls due later (a backoff, ``deliver_at``) is
   found by that look.
+* ``webhooks_jobs``: a host's background job was enqueued (``background.enqueue``) or
+  given back; wakes ``run_jobs``.
 
 A notification only shortens a wait: every loop still looks for work at its own interval,
 so a lost or coalesced notification (PostgreSQL folds identical ones within a transaction,
@@ -33,6 +35,7 @@ OUTBOX = "webhooks_outbox"
 QUEUE = "webhooks_queue"
 FREED = "webhooks_freed"
 DUE = "webhooks_due"
+JOBS = "webhooks_jobs"
 
 
 def available() -> bool:

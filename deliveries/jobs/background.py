@@ -1,0 +1,327 @@
+"""The host's own background jobs, on the job machinery: a function registered with
+``@job`` and enqueued with ``enqueue`` gets what a webhook delivery gets, a durable row
+written in the caller's transaction, one identity on every run, retries by the shared
+policy, leases that a dead worker's jobs come back from, entity locks, and a dead state
+that is recorded and alerted, never a silent drop.
+
+    from deliveries.jobs.background import job, enqueue, Retry, Fail, current_job
+
+    @job("billing.sync_invoice", lock=lambda invoice_id, **_: f"invoice:{invoice_id}")
+    def sync_invoice(invoice_id):
+        billing_api.push(invoice_id, idempotency_key=str(current_job().id))
+
+    enqueue("billing.sync_invoice", {"invoice_id": 42})
+
+``run_jobs`` claims and runs them (``deliveries.jobs.runner``); the ``job`` kind's
+schedule, run by ``run_scheduler``, returns expired leases and ends jobs past their
+deadline (``jobs_schedule``). Guide: docs/jobs.md.
+"""
+
+import asyncio
+import contextvars
+import inspect
+import math
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
+
+from django.utils import timezone
+
+from deliveries.conf import settings
+
+from . import wakeup
+from .ids import uuid7
+
+if TYPE_CHECKING:
+    from deliveries.policy import RetryPolicy
+
+KIND = "job"
+
+
+class Retry(Exception):
+    """Raise in a job to run it again after ``after`` seconds (as a receiver's
+    ``Retry-After``). The run counts as an attempt."""
+
+    def __init__(self, after: float = 0.0, reason: str = "") -> None:
+        if not 0 <= after < math.inf:
+            raise ValueError("after must be finite and not negative")
+        super().__init__(reason or f"retry after {after} s")
+        self.after = float(after)
+
+
+class Fail(Exception):
+    """Raise in a job to end it dead at once with ``reason``: retrying cannot help."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class UnknownJobType(LookupError):
+    """``enqueue`` of a type no ``@job`` in this process registered."""
+
+
+@dataclass
+class JobType:
+    """What ``@job`` registered for one type name."""
+
+    name: str
+    fn: Callable
+    queue: str = "default"
+    priority: int = 0
+    max_attempts: int = 5
+    # Seconds a run may take; None: no limit (the lease is renewed while it runs).
+    timeout: float | None = 60.0
+    retry: "RetryPolicy | None" = None
+    lock: Callable[..., str] | None = None
+    version: int = 1
+    # Readers of older payload versions: version -> fn(payload) -> payload of ``version``.
+    readers: dict[int, Callable[[dict], dict]] = field(default_factory=dict)
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.fn)
+
+    @property
+    def lease_seconds(self) -> float:
+        """How long a claim holds the job: its timeout and a margin, for the time a
+        worker takes to record the outcome after the timeout fires."""
+        if self.timeout is None:
+            return settings.JOBS_LEASE_MARGIN * 2  # renewed while it runs
+        return self.timeout + settings.JOBS_LEASE_MARGIN
+
+    def policy(self) -> "RetryPolicy":
+        from deliveries.policy import RetryPolicy
+
+        return self.retry or RetryPolicy.from_settings()
+
+    def retry_delay(self, attempts: int) -> float | None:
+        """Seconds before the next try after ``attempts`` failed, or None when spent:
+        the policy's step for that attempt (its last step once past its schedule)."""
+        if attempts >= self.max_attempts:
+            return None
+        policy = self.policy()
+        if not policy.schedule:
+            return 0.0
+        return policy.next_delay(min(attempts, len(policy.schedule)))
+
+    def read(self, version: int, payload: dict) -> dict:
+        """The payload as this version's function takes it, or ``Unreadable``."""
+        if version == self.version:
+            return payload
+        if version > self.version:
+            raise Unreadable(f"payload version {version} is newer than {self.version}")
+        while version < self.version:
+            reader = self.readers.get(version)
+            if reader is None:
+                raise Unreadable(f"no reader for payload version {version}")
+            payload, version = reader(payload), version + 1
+        return payload
+
+    def reads(self, version: int):
+        """Decorator: ``@fn.reads(1) def from_v1(payload) -> dict`` turns a version 1
+        payload into a version 2 one (readers chain: 1 to 2, 2 to 3...)."""
+        if not 1 <= version < self.version:
+            raise ValueError(f"a reader reads a version below {self.version}")
+
+        def register(reader: Callable[[dict], dict]) -> Callable[[dict], dict]:
+            self.readers[version] = reader
+            return reader
+
+        return register
+
+
+class Unreadable(Exception):
+    """A job this process cannot run: it goes dead with the reason, never dropped."""
+
+
+JOB_TYPES: dict[str, JobType] = {}
+
+
+class JobFunction:
+    """A function registered with ``@job``: call it as before; ``.reads(n)`` registers
+    a reader of payload version ``n``; ``.job_type`` is its registration."""
+
+    def __init__(self, job_type: JobType) -> None:
+        self.job_type = job_type
+        self.reads = job_type.reads
+        self.__wrapped__ = job_type.fn
+        self.__name__ = getattr(job_type.fn, "__name__", job_type.name)
+        self.__doc__ = job_type.fn.__doc__
+
+    def __call__(self, *args, **kwargs):
+        return self.job_type.fn(*args, **kwargs)
+
+
+def job(
+    name: str,
+    *,
+    queue: str = "default",
+    priority: int = 0,
+    max_attempts: int = 5,
+    timeout: float | None = 60.0,
+    retry: "RetryPolicy | Mapping | None" = None,
+    lock: Callable[..., str] | None = None,
+    version: int = 1,
+) -> Callable[[Callable], JobFunction]:
+    """Register the decorated function as the job type ``name``. It is called with the
+    payload as keyword arguments: a plain function in a thread of the worker, an
+    ``async def`` on the worker's event loop. ``retry``: a ``RetryPolicy``, or its
+    parameters (``{"schedule": (1, 10, 60)}``); None, the shared default
+    (``DELIVERY_RETRY_*``). ``lock``: the entity key, from the payload's arguments, of an
+    entity lock the job runs under (two jobs with one key never overlap)."""
+    if max_attempts < 1:
+        raise ValueError("max_attempts must be at least 1")
+    if timeout is not None and not 0 < timeout < math.inf:
+        raise ValueError("timeout must be positive and finite, or None")
+    if version < 1:
+        raise ValueError("version starts at 1")
+    if isinstance(retry, Mapping):
+        from deliveries.policy import RetryPolicy
+
+        retry = RetryPolicy(**retry)
+
+    def register(fn: Callable) -> JobFunction:
+        job_type = JobType(
+            name=name,
+            fn=fn,
+            queue=queue,
+            priority=priority,
+            max_attempts=max_attempts,
+            timeout=timeout,
+            retry=retry,
+            lock=lock,
+            version=version,
+        )
+        JOB_TYPES[name] = job_type
+        return JobFunction(job_type)
+
+    return register
+
+
+def job_type(name: str) -> JobType:
+    try:
+        return JOB_TYPES[name]
+    except KeyError:
+        raise UnknownJobType(f"no job type {name!r} is registered in this process") from None
+
+
+def enqueue(
+    type: str,
+    payload: Mapping | None = None,
+    *,
+    run_at: datetime | None = None,
+    deadline: datetime | None = None,
+    idempotency_key: str | None = None,
+    tenant=None,
+    priority: int | None = None,
+    queue: str | None = None,
+):
+    """Write one job in the caller's transaction and wake the workers at its commit;
+    returns the ``Job`` row. A rollback leaves nothing; a commit makes it claimable
+    however the process ends afterwards. With ``idempotency_key`` a second enqueue of the
+    same type and key writes nothing and returns the first job (the constraint
+    ``job_idempotency`` decides, also between concurrent callers). ``tenant``: a tenant
+    (anything with a UUID ``id``) or its id, for the per-tenant fairness of the claim."""
+    from .job_queries import job_insert
+
+    spec = job_type(type)
+    payload = dict(payload or {})
+    now = timezone.now()
+    lock_key = spec.lock(**payload) if spec.lock is not None else ""
+    fields = {
+        "id": uuid7(),
+        "type": type,
+        "queue": queue or spec.queue,
+        "priority": spec.priority if priority is None else priority,
+        "tenant_id": getattr(tenant, "id", tenant),
+        "payload": payload,
+        "version": spec.version,
+        "idempotency_key": idempotency_key,
+        "run_at": run_at or now,
+        "deadline": deadline,
+        "max_attempts": spec.max_attempts,
+        "lock_key": str(lock_key or "")[:300],
+        "created_at": now,
+    }
+    row, created = job_insert(fields)
+    if created:
+        wakeup.notify(wakeup.JOBS)
+    return row
+
+
+# --- The running job -------------------------------------------------------------------
+
+
+@dataclass
+class RunningJob:
+    """What ``current_job()`` gives a running job: its ``id`` (the same on every run: the
+    idempotency key to give third parties), ``attempt`` (1 on the first run) and
+    ``progress(done, total)``, which the worker writes to the row within a second or so
+    and at the end of the run."""
+
+    id: object
+    type: str
+    attempt: int
+    tenant_id: object = None
+    done: int | None = None
+    total: int | None = None
+    # Set by progress(); the worker writes it with the next lease renewal.
+    reported: bool = False
+
+    def progress(self, done: int, total: int | None = None) -> None:
+        self.done, self.total, self.reported = int(done), total, True
+
+
+_current: contextvars.ContextVar[RunningJob | None] = contextvars.ContextVar(
+    "deliveries_current_job", default=None
+)
+
+
+def current_job() -> RunningJob:
+    """The job this code runs in; raises ``LookupError`` outside a job."""
+    running = _current.get()
+    if running is None:
+        raise LookupError("current_job() is only available inside a running job")
+    return running
+
+
+def call_sync(spec: JobType, running: RunningJob, payload: dict):
+    """Run a plain job function with ``current_job()`` set (in a worker thread)."""
+    token = _current.set(running)
+    try:
+        return spec.fn(**payload)
+    finally:
+        _current.reset(token)
+
+
+async def call_async(spec: JobType, running: RunningJob, payload: dict):
+    """Run a coroutine job on the worker's loop with ``current_job()`` set, cut off at
+    its timeout (``asyncio.TimeoutError``)."""
+    _current.set(running)  # this task's own context
+    return await asyncio.wait_for(spec.fn(**payload), spec.timeout)
+
+
+# --- The "job" kind's schedule (run by run_scheduler) -----------------------------------
+
+
+def jobs_schedule(now: datetime, page_size: int) -> tuple[Counter, bool]:
+    """Return expired leases to pending (dead when their attempts are spent) and end
+    pending jobs past their deadline dead with the reason "deadline passed". Returns the
+    counts and whether a full page suggests more."""
+    from .job_queries import expire_deadlines, expire_leases
+
+    counts = Counter()
+    counts["lease_expired"], counts["lease_expired_dead"] = expire_leases(now, page_size)
+    counts["deadline_passed"] = expire_deadlines(now, page_size)
+    more = counts["lease_expired"] + counts["lease_expired_dead"] >= page_size
+    more = more or counts["deadline_passed"] >= page_size
+    if counts["lease_expired"]:
+        wakeup.notify(wakeup.JOBS)
+    return counts, more
+
+
+def lock_retry_at(now: datetime) -> datetime:
+    return now + timedelta(seconds=settings.JOBS_LOCK_RETRY)

@@ -1,0 +1,351 @@
+"""The host's background jobs' statements, and the only module that changes
+``Job.state``: every change is a guarded UPDATE on the expected state (and, out of
+``running``, on the lease token), and what the row count says is what happened.
+
+The hot statements (insert, claim, record, renew) are ``sql.Statement``s: their
+PostgreSQL text with, below it, the same effect with the ORM for SQLite. The claim and
+the record take batches, so that a worker spends two statements on a page of jobs, not
+two per job.
+
+    pending ──claim──▶ running ──record──▶ done | dead
+       ▲                  ├──record (Retry, an error, a timeout)──▶ pending
+       │                  ├──record (entity lock busy: not an attempt)──▶ pending
+       └──lease expired───┘ (the "job" kind's sweep; dead when attempts are spent)
+    pending ──deadline passed──▶ dead
+"""
+
+import uuid
+from collections import Counter
+from datetime import datetime, timedelta
+
+from django.db import IntegrityError, transaction
+from django.db.models import F, Q
+from psycopg.types.json import Jsonb
+
+from .models import EntityLock, Job, JobOutcome, JobRun, JobState
+from .sql import Statement
+
+PENDING, RUNNING, DONE, DEAD = JobState.PENDING, JobState.RUNNING, JobState.DONE, JobState.DEAD
+
+# --- Enqueue -----------------------------------------------------------------------------
+
+_INSERT_COLUMNS = (
+    "id", "type", "queue", "priority", "tenant_id", "payload", "version", "idempotency_key",
+    "run_at", "deadline", "max_attempts", "lock_key", "created_at",
+)  # fmt: skip
+
+# One job, or nothing when (type, idempotency_key) exists (the constraint job_idempotency;
+# a concurrent insert of the same key waits for the first to commit, then inserts
+# nothing). Params: the columns by name, payload a Jsonb; row (id,) or None.
+INSERT_JOB = Statement(
+    f"""
+INSERT INTO trusty_jobs_job ({", ".join(_INSERT_COLUMNS)}, state, attempts, last_error,
+    dead_reason)
+VALUES ({", ".join(f"%({c})s" for c in _INSERT_COLUMNS)}, 'pending', 0, '', '')
+ON CONFLICT (type, idempotency_key) DO NOTHING
+RETURNING id
+""",
+    returns="row",
+)
+
+
+@INSERT_JOB.elsewhere
+def _(params):
+    fields = {**params, "payload": params["payload"].obj}
+    try:
+        with transaction.atomic():  # a savepoint: the conflict leaves the caller's work
+            Job.objects.create(**fields)
+    except IntegrityError:
+        return None
+    return (fields["id"],)
+
+
+def job_insert(fields: dict) -> tuple[Job, bool]:
+    """Insert a job (the columns in ``fields``), in the caller's transaction; returns the
+    row and whether it is new. With an idempotency key that exists: the existing job."""
+    inserted = INSERT_JOB({**fields, "payload": Jsonb(fields["payload"])})
+    if inserted is not None:
+        return Job(state=PENDING, attempts=0, **fields), True
+    return Job.objects.get(type=fields["type"], idempotency_key=fields["idempotency_key"]), False
+
+
+# --- Claim ---------------------------------------------------------------------------------
+
+# What a claim gives back for each job, in this order.
+CLAIMED = ("id", "type", "version", "payload", "attempts", "lease_token", "lock_key",
+           "tenant_id", "deadline")  # fmt: skip
+
+# Due pending jobs of the queues, highest priority first then oldest run_at (the partial
+# index job_claimable), none past its deadline, set running with a lease of their own
+# (each job a token: the entity locks' owner) in one statement. Fairness: a tenant with
+# ``per_tenant`` jobs running in these queues (the partial index job_running) is passed
+# over, and of a tenant's candidates only as many as it has room for are taken, so that
+# one tenant's flood leaves slots to the others. ``scan`` candidates are locked (SKIP
+# LOCKED: claims divide the work), at most ``limit`` claimed; the rest are let go at the
+# statement's commit. The lease: ``leases`` seconds for the type at the same place in
+# ``types``, ``default_lease`` for a type this worker does not know.
+# Params: {queues, now, limit, scan, per_tenant, types, leases, default_lease}.
+CLAIM_JOBS = Statement("""
+WITH running AS (
+    SELECT tenant_id, count(*) AS n FROM trusty_jobs_job
+    WHERE state = 'running' AND tenant_id IS NOT NULL AND queue = ANY(%(queues)b::text[])
+    GROUP BY tenant_id
+), candidate AS (
+    SELECT id, tenant_id, priority, run_at FROM trusty_jobs_job
+    WHERE state = 'pending' AND queue = ANY(%(queues)b::text[]) AND run_at <= %(now)s
+        AND (deadline IS NULL OR deadline > %(now)s)
+        AND (tenant_id IS NULL OR %(per_tenant)s <= 0 OR tenant_id NOT IN (
+            SELECT tenant_id FROM running WHERE n >= %(per_tenant)s))
+    ORDER BY priority DESC, run_at
+    LIMIT %(scan)s
+    FOR UPDATE SKIP LOCKED
+), picked AS (
+    SELECT c.id FROM (
+        SELECT candidate.*,
+            row_number() OVER (PARTITION BY tenant_id ORDER BY priority DESC, run_at) AS nth
+        FROM candidate
+    ) c LEFT JOIN running r ON r.tenant_id = c.tenant_id
+    WHERE c.tenant_id IS NULL OR %(per_tenant)s <= 0
+        OR c.nth + coalesce(r.n, 0) <= %(per_tenant)s
+    ORDER BY c.priority DESC, c.run_at
+    LIMIT %(limit)s
+)
+UPDATE trusty_jobs_job j
+SET state = 'running', lease_token = gen_random_uuid(), attempts = j.attempts + 1,
+    started_at = %(now)s,
+    lease_until = %(now)s + make_interval(secs => coalesce(
+        (SELECT l.seconds FROM unnest(%(types)b::text[], %(leases)b::float8[]) AS l(type, seconds)
+         WHERE l.type = j.type), %(default_lease)s))
+FROM picked WHERE j.id = picked.id
+RETURNING j.id, j.type, j.version, j.payload, j.attempts, j.lease_token, j.lock_key,
+    j.tenant_id, j.deadline
+""")
+
+
+@CLAIM_JOBS.elsewhere
+def _(params):
+    # SQLite: the IMMEDIATE transaction holds the write lock; nobody else claims.
+    now, per_tenant = params["now"], params["per_tenant"]
+    leases = dict(zip(params["types"], params["leases"], strict=True))
+    with transaction.atomic():
+        running = Counter(
+            Job.objects.filter(state=RUNNING, queue__in=params["queues"], tenant_id__isnull=False)
+            .values_list("tenant_id", flat=True)
+            .iterator()
+        )
+        candidates = (
+            Job.objects.filter(state=PENDING, queue__in=params["queues"], run_at__lte=now)
+            .filter(Q(deadline__isnull=True) | Q(deadline__gt=now))
+            .order_by("-priority", "run_at")
+        )
+        if per_tenant > 0:
+            full = [t for t, n in running.items() if n >= per_tenant]
+            candidates = candidates.exclude(tenant_id__in=full)
+        picked = []
+        for row in candidates.values_list("id", "type", "tenant_id")[: params["scan"]]:
+            if len(picked) >= params["limit"]:
+                break
+            job_id, job_type, tenant = row
+            if tenant is not None and per_tenant > 0:
+                if running[tenant] >= per_tenant:
+                    continue
+                running[tenant] += 1
+            picked.append((job_id, job_type))
+        for job_id, job_type in picked:
+            seconds = leases.get(job_type, params["default_lease"])
+            Job.objects.filter(id=job_id, state=PENDING).update(
+                state=RUNNING,
+                lease_token=uuid.uuid4(),
+                lease_until=now + timedelta(seconds=seconds),
+                attempts=F("attempts") + 1,
+                started_at=now,
+            )
+        return list(Job.objects.filter(id__in=[p[0] for p in picked]).values_list(*CLAIMED))
+
+
+# --- Record --------------------------------------------------------------------------------
+
+# What one finished (or given back) job records: the row's next state, and the run.
+RECORD_FIELDS = (
+    "id", "token", "state", "run_at", "error", "reason", "uncount", "reported", "done",
+    "total", "outcome", "attempt", "started", "duration_ms", "trace",
+)  # fmt: skip
+
+# Record a batch: move each job out of running, for its lease holder only (a job whose
+# lease was lost to the sweep is left as the sweep made it), append its run ("" outcome:
+# no run, a job given back because its entity lock was held, which also gives back the
+# attempt and keeps the last error), and release its entity lock in the same statement.
+# ``run_at`` is read for pending only; progress (``reported``) is written when set, a
+# ``total`` of -1 meaning unknown. Params: one array per RECORD_FIELDS name, with now and
+# run_id; rows (id,) of the jobs moved.
+RECORD_JOBS = Statement("""
+WITH r AS (
+    SELECT * FROM unnest(%(id)b::uuid[], %(token)b::uuid[], %(state)b::text[],
+        %(run_at)b::timestamptz[], %(error)b::text[], %(reason)b::text[], %(uncount)b::int4[],
+        %(reported)b::bool[], %(done)b::int8[], %(total)b::int8[], %(outcome)b::text[],
+        %(attempt)b::int4[], %(started)b::timestamptz[], %(duration_ms)b::float8[],
+        %(trace)b::text[])
+    AS r(id, token, state, run_at, error, reason, uncount, reported, done, total, outcome,
+        attempt, started, duration_ms, trace)
+), moved AS (
+    UPDATE trusty_jobs_job j
+    SET state = r.state, lease_token = NULL, lease_until = NULL,
+        run_at = CASE WHEN r.state = 'pending' THEN r.run_at ELSE j.run_at END,
+        last_error = CASE WHEN r.uncount > 0 THEN j.last_error ELSE r.error END,
+        dead_reason = r.reason, attempts = j.attempts - r.uncount,
+        finished_at = CASE WHEN r.state IN ('done', 'dead') THEN %(now)s END,
+        progress_done = CASE WHEN r.reported THEN r.done ELSE j.progress_done END,
+        progress_total = CASE WHEN r.reported THEN nullif(r.total, -1)
+            ELSE j.progress_total END,
+        progress_updated_at = CASE WHEN r.reported THEN %(now)s ELSE j.progress_updated_at END
+    FROM r WHERE j.id = r.id AND j.state = 'running' AND j.lease_token = r.token
+    RETURNING j.id, j.lock_key, r.token
+), runs AS (
+    INSERT INTO trusty_jobs_jobrun (job_id, attempt, run_id, started_at, duration_ms,
+        outcome, error)
+    SELECT id, attempt, %(run_id)s::uuid, started, duration_ms, outcome, trace FROM r
+    WHERE outcome <> ''
+), unlocked AS (
+    DELETE FROM deliveries_entitylock l USING moved
+    WHERE moved.lock_key <> '' AND l.key = moved.lock_key AND l.owner = moved.token::text
+)
+SELECT id FROM moved
+""")
+
+
+@RECORD_JOBS.elsewhere
+def _(params):
+    now = params["now"]
+    moved = []
+    with transaction.atomic():
+        for i, job_id in enumerate(params["id"]):
+            r = {name: params[name][i] for name in RECORD_FIELDS}
+            fields = {
+                "state": r["state"],
+                "lease_token": None,
+                "lease_until": None,
+                "dead_reason": r["reason"],
+                "finished_at": now if r["state"] in (DONE, DEAD) else None,
+            }
+            if r["state"] == PENDING:
+                fields["run_at"] = r["run_at"]
+            if r["uncount"]:
+                fields["attempts"] = F("attempts") - r["uncount"]
+            else:
+                fields["last_error"] = r["error"]
+            if r["reported"]:
+                fields["progress_done"] = r["done"]
+                fields["progress_total"] = r["total"] if r["total"] >= 0 else None
+                fields["progress_updated_at"] = now
+            mine = Job.objects.filter(id=job_id, state=RUNNING, lease_token=r["token"])
+            lock_key = mine.values_list("lock_key", flat=True).first()
+            if mine.update(**fields):
+                moved.append((job_id,))
+                if lock_key:
+                    EntityLock.objects.filter(key=lock_key, owner=str(r["token"])).delete()
+            if r["outcome"]:
+                JobRun.objects.create(
+                    job_id=job_id,
+                    attempt=r["attempt"],
+                    run_id=params["run_id"],
+                    started_at=r["started"],
+                    duration_ms=r["duration_ms"],
+                    outcome=r["outcome"],
+                    error=r["trace"],
+                )
+    return moved
+
+
+# --- Renew -----------------------------------------------------------------------------
+
+# Extend the leases of jobs still running (each to its ``until``) and write the progress
+# they reported, for the lease holders only. Params: {id, token, until, reported, done,
+# total, now} (arrays but now); rows (id,) of the leases still held.
+RENEW_JOBS = Statement("""
+UPDATE trusty_jobs_job j
+SET lease_until = r.until,
+    progress_done = CASE WHEN r.reported THEN r.done ELSE j.progress_done END,
+    progress_total = CASE WHEN r.reported THEN nullif(r.total, -1)
+        ELSE j.progress_total END,
+    progress_updated_at = CASE WHEN r.reported THEN %(now)s ELSE j.progress_updated_at END
+FROM unnest(%(id)b::uuid[], %(token)b::uuid[], %(until)b::timestamptz[], %(reported)b::bool[],
+    %(done)b::int8[], %(total)b::int8[]) AS r(id, token, until, reported, done, total)
+WHERE j.id = r.id AND j.state = 'running' AND j.lease_token = r.token
+RETURNING j.id
+""")
+
+
+@RENEW_JOBS.elsewhere
+def _(params):
+    held = []
+    with transaction.atomic():
+        for i, job_id in enumerate(params["id"]):
+            fields = {"lease_until": params["until"][i]}
+            if params["reported"][i]:
+                total = params["total"][i]
+                fields.update(
+                    progress_done=params["done"][i],
+                    progress_total=total if total >= 0 else None,
+                    progress_updated_at=params["now"],
+                )
+            if Job.objects.filter(id=job_id, state=RUNNING, lease_token=params["token"][i]).update(
+                **fields
+            ):
+                held.append((job_id,))
+    return held
+
+
+# --- The sweeps (the "job" kind's schedule) --------------------------------------------
+
+
+def expire_leases(now: datetime, limit: int) -> tuple[int, int]:
+    """Running jobs whose lease ran out (their worker died, or hangs): back to pending,
+    due now, or dead when that was their last attempt (the attempt was counted at the
+    claim). Each gets a ``lost`` run. Returns (pending again, dead)."""
+    with transaction.atomic():
+        rows = list(
+            Job.objects.filter(state=RUNNING, lease_until__lt=now)
+            .select_for_update(skip_locked=True)
+            .values_list("id", "lease_token", "attempts", "max_attempts", "started_at")[:limit]
+        )
+        if not rows:
+            return 0, 0
+        spent = [r[0] for r in rows if r[2] >= r[3]]
+        again = [r[0] for r in rows if r[2] < r[3]]
+        expired = Q(state=RUNNING, lease_until__lt=now)
+        cleared = {"lease_token": None, "lease_until": None, "last_error": "lease expired"}
+        n_again = Job.objects.filter(expired, id__in=again).update(
+            state=PENDING, run_at=now, **cleared
+        )
+        n_dead = Job.objects.filter(expired, id__in=spent).update(
+            state=DEAD,
+            finished_at=now,
+            dead_reason="lease expired on the last attempt",
+            **cleared,
+        )
+        JobRun.objects.bulk_create(
+            JobRun(
+                job_id=job_id,
+                attempt=attempts,
+                started_at=started or now,
+                duration_ms=((now - started).total_seconds() * 1000) if started else 0.0,
+                outcome=JobOutcome.LOST,
+                error="the lease expired before the run was recorded",
+            )
+            for job_id, _, attempts, _, started in rows
+        )
+    return n_again, n_dead
+
+
+def expire_deadlines(now: datetime, limit: int) -> int:
+    """Pending jobs past their deadline (the partial index job_deadline): dead, with the
+    reason "deadline passed", never run."""
+    with transaction.atomic():
+        ids = list(
+            Job.objects.filter(state=PENDING, deadline__lte=now)
+            .select_for_update(skip_locked=True)
+            .values_list("id", flat=True)[:limit]
+        )
+        return Job.objects.filter(id__in=ids, state=PENDING, deadline__lte=now).update(
+            state=DEAD, finished_at=now, dead_reason="deadline passed"
+        )

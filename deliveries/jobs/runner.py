@@ -1,0 +1,601 @@
+"""The worker of the host's background jobs (``manage.py run_jobs``).
+
+One thread (the caller's) owns the database work: it claims up to the free slots in one
+statement (``job_queries.CLAIM_JOBS``), takes the entity locks, starts the jobs, and
+records whatever finished since its last pass in one statement (``RECORD_JOBS``): no
+transaction is open while a job runs. Plain functions run in a pool of ``concurrency``
+threads; coroutines on the worker's event loop, a thread of its own. A finished job, a
+notification on ``webhooks_jobs`` or a timeout wakes the owner thread.
+
+A sync job past its timeout is recorded as a failed attempt at once; Python cannot stop
+its thread, which keeps its slot until the function returns (its result is then thrown
+away). A coroutine past its timeout is cancelled.
+"""
+
+import asyncio
+import json
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.db import close_old_connections, connection
+from django.utils import timezone
+
+from deliveries.conf import settings
+from deliveries.text import mask_secrets
+
+from . import wakeup
+from .background import (
+    JOB_TYPES,
+    Fail,
+    JobType,
+    Retry,
+    RunningJob,
+    Unreadable,
+    call_async,
+    call_sync,
+    lock_retry_at,
+)
+from .job_queries import (
+    CLAIM_JOBS,
+    DEAD,
+    DONE,
+    PENDING,
+    RECORD_FIELDS,
+    RECORD_JOBS,
+    RENEW_JOBS,
+)
+from .locks import entity_lock_acquire
+from .loop import DB_ERRORS, Backoff, reset_connection
+from .models import JobOutcome
+
+logger = logging.getLogger("deliveries.jobs")
+
+# Longest wait of an idle worker between looks (notifications end it early on PostgreSQL).
+IDLE_WAIT = 1.0
+# The least time between two renewals of the leases and the progress of running jobs.
+RENEW_EVERY = 0.5
+TRACE_LIMIT = 8000
+
+
+@dataclass
+class Claimed:
+    """A job this worker claimed, from the claim's row."""
+
+    id: object
+    type: str
+    version: int
+    payload: dict
+    attempt: int
+    token: object
+    lock_key: str
+    tenant_id: object
+    deadline: datetime | None
+
+
+@dataclass
+class InFlight:
+    job: Claimed
+    spec: JobType | None
+    running: RunningJob
+    started: datetime
+    t0: float
+    timeout_at: float | None
+    lease_until: datetime
+    # Whether the outcome was taken (a result or a timeout): the other is thrown away.
+    settled: bool = False
+    future: object = None
+    last_progress: tuple | None = None
+
+
+@dataclass
+class Result:
+    entry: InFlight
+    outcome: str  # JobOutcome, or "" for a job given back without a run (lock busy)
+    seconds: float = 0.0
+    error: str = ""  # one line, for the job row
+    trace: str = ""  # the traceback, secrets masked, for the run
+    retry_after: float | None = None
+    reason: str = ""
+
+
+def describe(exc: BaseException) -> tuple[str, str]:
+    """(one line, traceback) of an exception, the service's secrets masked in both."""
+    line = mask_secrets("".join(traceback.format_exception_only(exc)).strip())[:2000]
+    trace = mask_secrets("".join(traceback.format_exception(exc)))[-TRACE_LIMIT:]
+    return line, trace
+
+
+def classify(entry: InFlight, exc: BaseException | None, seconds: float) -> Result:
+    if exc is None:
+        return Result(entry, JobOutcome.DONE, seconds)
+    if isinstance(exc, Retry):
+        return Result(entry, JobOutcome.RETRY, seconds, error=str(exc), retry_after=exc.after)
+    if isinstance(exc, Fail):
+        return Result(entry, JobOutcome.FAILED, seconds, error=exc.reason, reason=exc.reason)
+    if isinstance(exc, asyncio.TimeoutError | TimeoutError) and entry.spec and entry.spec.is_async:
+        return _timed_out(entry, seconds)
+    line, trace = describe(exc)
+    return Result(entry, JobOutcome.ERROR, seconds, error=line, trace=trace)
+
+
+def _timed_out(entry: InFlight, seconds: float) -> Result:
+    error = f"timed out after {entry.spec.timeout:g} s"
+    return Result(entry, JobOutcome.TIMEOUT, seconds, error=error, trace=error)
+
+
+class ThreadPool:
+    """``size`` daemon threads running plain jobs: a job that never returns cannot hold
+    the process's exit (a ThreadPoolExecutor joins its threads at exit)."""
+
+    def __init__(self, size: int) -> None:
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.threads = [
+            threading.Thread(target=self._work, name=f"job-{i}", daemon=True) for i in range(size)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def submit(self, fn) -> None:
+        self.tasks.put(fn)
+
+    def _work(self) -> None:
+        try:
+            while (fn := self.tasks.get()) is not None:
+                try:
+                    fn()
+                finally:
+                    close_old_connections()  # what the job's own ORM calls opened
+        finally:
+            connection.close()
+
+    def stop(self, *, wait: float = 2.0) -> None:
+        """Let the threads end once the jobs queued are done; wait up to ``wait`` seconds
+        (a job stuck past its timeout keeps its daemon thread)."""
+        for _ in self.threads:
+            self.tasks.put(None)
+        deadline = time.monotonic() + wait
+        for thread in self.threads:
+            thread.join(timeout=max(deadline - time.monotonic(), 0))
+
+
+class EventLoopThread:
+    """The worker's event loop, where coroutine jobs run, in a daemon thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="job-loop", daemon=True)
+        self.thread.start()
+
+    def submit(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+class JobWorker:
+    """Claims, runs and records the jobs of ``queues``, ``concurrency`` at a time.
+
+    ``step()`` is one pass of the owner thread; ``run()`` repeats it until stopped, then
+    lets the jobs in flight finish for ``grace`` seconds and gives back the others."""
+
+    def __init__(
+        self,
+        *,
+        queues: Sequence[str] = ("default",),
+        concurrency: int | None = None,
+        run_id=None,
+        grace: float | None = None,
+    ) -> None:
+        self.queues = list(queues)
+        self.concurrency = concurrency or settings.JOBS_CONCURRENCY
+        self.run_id = run_id
+        self.grace = settings.WORKER_SHUTDOWN_GRACE if grace is None else grace
+        self.counts: Counter = Counter()
+        self.in_flight: dict[object, InFlight] = {}
+        self.finished: list[Result] = []
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.stopping = threading.Event()
+        self.abandon = threading.Event()
+        self.pool: ThreadPool | None = None
+        self.event_loop: EventLoopThread | None = None
+        self.next_renew = 0.0
+
+    # --- The owner thread's pass -----------------------------------------------------
+
+    def step(self, *, claim: bool = True) -> tuple[int, int]:
+        """Record what finished, renew leases, claim for the free slots and start what
+        was claimed. Returns (recorded, claimed)."""
+        self._time_out()
+        recorded = self._record()
+        self._renew()
+        claimed = 0
+        free = self.concurrency - len(self.in_flight)
+        if claim and free > 0:
+            claimed = self._claim(free)
+            if claimed == free:
+                claimed = -claimed  # a full claim: more may be due
+        return recorded, claimed
+
+    def run(self, *, once: bool = False, until_idle: bool = False) -> Counter:
+        """Until ``request_stop`` (``once``: one claim, then its jobs; ``until_idle``: until nothing
+        is due or running here), then the shutdown: the grace, then release."""
+        listener = None if once else self._listen()
+        backoff = Backoff()
+        claiming = True
+        stop = self.stopping
+        try:
+            while not stop.is_set():
+                self.wake.clear()
+                close_old_connections()
+                try:
+                    recorded, claimed = self.step(claim=claiming)
+                    backoff.reset()
+                except DB_ERRORS as exc:
+                    logger.warning(
+                        "database unavailable, retrying",
+                        extra={
+                            "action": "jobs.db_error",
+                            "run_id": str(self.run_id),
+                            "error": str(exc),
+                        },
+                    )
+                    reset_connection()
+                    stop.wait(backoff.next())
+                    continue
+                if once:
+                    claiming = False
+                settled = not self.in_flight and not self.finished
+                if settled and (once or (until_idle and not claimed)):
+                    break
+                if claimed < 0 or (recorded and claiming):
+                    continue  # slots were freed or a full page came: look again at once
+                self.wake.wait(self._wait_time())
+        finally:
+            self.shutdown()
+            if listener is not None:
+                listener.close()
+        return self.counts
+
+    def request_stop(self) -> None:
+        """SIGTERM: stop claiming; a second one ends the grace."""
+        if self.stopping.is_set():
+            self.abandon.set()
+        self.stopping.set()
+        self.wake.set()
+
+    def shutdown(self) -> None:
+        """Let the jobs in flight finish within the grace, record them, and give back
+        (``released``, not counted as an attempt) the leases of those still running."""
+        deadline = time.monotonic() + self.grace
+        backoff = Backoff()
+        while self._unsettled() and time.monotonic() < deadline and not self.abandon.is_set():
+            self.wake.clear()
+            try:
+                self.step(claim=False)
+            except DB_ERRORS:
+                reset_connection()
+                time.sleep(backoff.next())
+                continue
+            self.wake.wait(min(self._wait_time(), max(deadline - time.monotonic(), 0)))
+        with self.lock:
+            for entry in self.in_flight.values():
+                if not entry.settled:
+                    entry.settled = True
+                    self.finished.append(
+                        Result(
+                            entry,
+                            JobOutcome.RELEASED,
+                            time.monotonic() - entry.t0,
+                            error="released at shutdown",
+                        )
+                    )
+                    if entry.future is not None:
+                        entry.future.cancel()
+        for _ in range(5):
+            try:
+                self._record()
+                break
+            except DB_ERRORS:
+                reset_connection()
+                time.sleep(0.5)
+        if self.pool is not None:
+            self.pool.stop()
+        if self.event_loop is not None:
+            self.event_loop.stop()
+
+    # --- Claim and start -----------------------------------------------------------------
+
+    def _claim(self, free: int) -> int:
+        now = timezone.now()
+        types = list(JOB_TYPES)
+        rows = CLAIM_JOBS(
+            {
+                "queues": self.queues,
+                "now": now,
+                "limit": free,
+                "scan": min(free * 4, free + 1000),
+                "per_tenant": settings.JOBS_TENANT_CONCURRENCY,
+                "types": types,
+                "leases": [float(JOB_TYPES[t].lease_seconds) for t in types],
+                "default_lease": float(settings.JOBS_LEASE_MARGIN * 2),
+            }
+        )
+        for row in rows:
+            claimed = Claimed(*row)
+            if isinstance(claimed.payload, str):  # Django's psycopg setup loads jsonb as text
+                claimed.payload = json.loads(claimed.payload)
+            self._start(claimed, now)
+        self.counts["claimed"] += len(rows)
+        return len(rows)
+
+    def _start(self, job: Claimed, now: datetime) -> None:
+        spec = JOB_TYPES.get(job.type)
+        running = RunningJob(id=job.id, type=job.type, attempt=job.attempt, tenant_id=job.tenant_id)
+        lease = spec.lease_seconds if spec else settings.JOBS_LEASE_MARGIN * 2
+        entry = InFlight(
+            job=job,
+            spec=spec,
+            running=running,
+            started=now,
+            t0=time.monotonic(),
+            timeout_at=None,
+            lease_until=now + timedelta(seconds=lease),
+        )
+        try:
+            if spec is None:
+                raise Unreadable(f"unknown job type {job.type!r}")
+            payload = spec.read(job.version, job.payload)
+        except Unreadable as exc:
+            reason = str(exc)
+            self._settle(entry, Result(entry, JobOutcome.UNREADABLE, error=reason, reason=reason))
+            return
+        if job.lock_key and not entity_lock_acquire(
+            key=job.lock_key, owner=str(job.token), ttl=lease, now=now
+        ):
+            self._settle(entry, Result(entry, ""))  # held by another job: back, not an attempt
+            return
+        if spec.timeout is not None:
+            entry.timeout_at = entry.t0 + spec.timeout
+        with self.lock:
+            self.in_flight[job.id] = entry
+        if spec.is_async:
+            if self.event_loop is None:
+                self.event_loop = EventLoopThread()
+            entry.future = self.event_loop.submit(call_async(spec, running, payload))
+            entry.future.add_done_callback(lambda f, e=entry: self._async_done(e, f))
+        else:
+            if self.pool is None:
+                self.pool = ThreadPool(self.concurrency)
+            self.pool.submit(lambda e=entry, p=payload: self._run_sync(e, p))
+
+    def _run_sync(self, entry: InFlight, payload: dict) -> None:
+        exc = None
+        try:
+            call_sync(entry.spec, entry.running, payload)
+        except BaseException as e:
+            exc = e
+        result = classify(entry, exc, time.monotonic() - entry.t0)
+        self._finish(entry, result)
+
+    def _async_done(self, entry: InFlight, future) -> None:
+        if future.cancelled():
+            self._finish(entry, None)
+            return
+        result = classify(entry, future.exception(), time.monotonic() - entry.t0)
+        self._finish(entry, result)
+
+    def _finish(self, entry: InFlight, result: Result | None) -> None:
+        with self.lock:
+            self.in_flight.pop(entry.job.id, None)
+            if result is not None and not entry.settled:
+                entry.settled = True
+                self.finished.append(result)
+        self.wake.set()
+
+    def _settle(self, entry: InFlight, result: Result) -> None:
+        with self.lock:
+            entry.settled = True
+            self.finished.append(result)
+
+    def _unsettled(self) -> bool:
+        with self.lock:
+            return bool(self.finished) or any(not e.settled for e in self.in_flight.values())
+
+    def _time_out(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            for entry in self.in_flight.values():
+                if entry.timeout_at is not None and now >= entry.timeout_at and not entry.settled:
+                    if entry.spec.is_async and now < entry.timeout_at + 5:
+                        continue  # wait_for cancels it; this is for one that ignores that
+                    entry.settled = True
+                    self.finished.append(_timed_out(entry, now - entry.t0))
+
+    def _wait_time(self) -> float:
+        soonest = IDLE_WAIT
+        now = time.monotonic()
+        with self.lock:
+            for entry in self.in_flight.values():
+                if entry.timeout_at is not None and not entry.settled:
+                    soonest = min(soonest, max(entry.timeout_at - now, 0.01))
+                if entry.running.reported:
+                    soonest = min(soonest, RENEW_EVERY)
+        return soonest
+
+    # --- Record ----------------------------------------------------------------------
+
+    def _record(self) -> int:
+        with self.lock:
+            results, self.finished = self.finished, []
+        if not results:
+            return 0
+        now = timezone.now()
+        try:
+            moved = {row[0] for row in RECORD_JOBS(self._record_params(results, now))}
+        except BaseException:
+            with self.lock:  # not recorded: try again on the next pass
+                self.finished[:0] = results
+            raise
+        for result in results:
+            self._log(result, recorded=result.entry.job.id in moved)
+        return len(results)
+
+    def _record_params(self, results: Iterable[Result], now: datetime) -> dict:
+        params = {name: [] for name in RECORD_FIELDS}
+        for r in results:
+            job = r.entry.job
+            state, run_at, reason, uncount = self._next_state(r, now)
+            r.reason = reason
+            running = r.entry.running
+            values = {
+                "id": job.id,
+                "token": job.token,
+                "state": state,
+                "run_at": run_at,
+                "error": r.error,
+                "reason": reason[:500],
+                "uncount": uncount,
+                "reported": running.reported,
+                "done": running.done or 0,
+                "total": -1 if running.total is None else running.total,
+                "outcome": r.outcome,
+                "attempt": job.attempt,
+                "started": r.entry.started,
+                "duration_ms": round(r.seconds * 1000, 3),
+                "trace": r.trace or r.error,
+            }
+            for name in RECORD_FIELDS:
+                params[name].append(values[name])
+            self.counts[str(r.outcome or "lock_busy")] += 1
+        params.update(now=now, run_id=self.run_id)
+        return params
+
+    def _next_state(self, r: Result, now: datetime) -> tuple[str, datetime, str, int]:
+        """(state, run_at, dead reason, attempts given back) after a result."""
+        job, spec = r.entry.job, r.entry.spec
+        if r.outcome == "":
+            return PENDING, lock_retry_at(now), "", 1
+        if r.outcome == JobOutcome.RELEASED:
+            return PENDING, now, "", 1
+        if r.outcome == JobOutcome.DONE:
+            return DONE, now, "", 0
+        if r.outcome in (JobOutcome.FAILED, JobOutcome.UNREADABLE):
+            return DEAD, now, r.reason, 0
+        if r.outcome == JobOutcome.RETRY:
+            if job.attempt >= spec.max_attempts:
+                return DEAD, now, f"attempts exhausted ({job.attempt}): {r.error}", 0
+            return PENDING, now + timedelta(seconds=r.retry_after or 0.0), "", 0
+        delay = spec.retry_delay(job.attempt)
+        if delay is None:
+            return DEAD, now, f"attempts exhausted ({job.attempt}): {r.error}", 0
+        return PENDING, now + timedelta(seconds=delay), "", 0
+
+    def _log(self, r: Result, *, recorded: bool) -> None:
+        level = logging.DEBUG if r.outcome == JobOutcome.DONE and recorded else logging.INFO
+        if not logger.isEnabledFor(level):
+            return
+        job = r.entry.job
+        logger.log(
+            level,
+            "job run",
+            extra={
+                "action": "job.run",
+                "job_type": job.type,
+                "job_id": str(job.id),
+                "tenant_id": str(job.tenant_id) if job.tenant_id else "",
+                "attempt": job.attempt,
+                "outcome": r.outcome or "lock_busy",
+                "duration_ms": round(r.seconds * 1000, 1),
+                "run_id": str(self.run_id) if self.run_id else "",
+                # False: the lease was lost meanwhile (the sweep gave the job back).
+                "recorded": recorded,
+                **({"reason": r.reason[:200]} if r.reason else {}),
+                **({"error": r.error[:200]} if r.error and r.outcome != JobOutcome.DONE else {}),
+            },
+        )
+
+    # --- Leases and progress ---------------------------------------------------------
+
+    def _renew(self) -> None:
+        """Extend the leases ending within half their length, write reported progress,
+        and renew the entity locks of the jobs renewed."""
+        clock = time.monotonic()
+        if clock < self.next_renew:
+            return
+        self.next_renew = clock + RENEW_EVERY
+        now = timezone.now()
+        due: list[tuple[InFlight, datetime]] = []
+        with self.lock:
+            for entry in self.in_flight.values():
+                if entry.settled or entry.spec is None:
+                    continue
+                lease = entry.spec.lease_seconds
+                report = (entry.running.done, entry.running.total)
+                progressed = entry.running.reported and report != entry.last_progress
+                if progressed or (entry.lease_until - now).total_seconds() < lease / 2:
+                    due.append((entry, now + timedelta(seconds=lease)))
+        if not due:
+            return
+        params = {"id": [], "token": [], "until": [], "reported": [], "done": [], "total": []}
+        for entry, until in due:
+            running = entry.running
+            params["id"].append(entry.job.id)
+            params["token"].append(entry.job.token)
+            params["until"].append(until)
+            params["reported"].append(running.reported)
+            params["done"].append(running.done or 0)
+            params["total"].append(-1 if running.total is None else running.total)
+        params["now"] = now
+        held = {row[0] for row in RENEW_JOBS(params)}
+        for entry, until in due:
+            entry.last_progress = (entry.running.done, entry.running.total)
+            if entry.job.id not in held:
+                logger.warning(
+                    "job lease lost",
+                    extra={"action": "job.lease_lost", "job_id": str(entry.job.id),
+                           "job_type": entry.job.type},
+                )  # fmt: skip
+                continue
+            entry.lease_until = until
+            if entry.job.lock_key:
+                entity_lock_acquire(
+                    key=entry.job.lock_key,
+                    owner=str(entry.job.token),
+                    ttl=entry.spec.lease_seconds,
+                    now=now,
+                )
+
+    # --- Wake-ups --------------------------------------------------------------------
+
+    def _listen(self):
+        """A thread waiting for ``webhooks_jobs`` notifications (PostgreSQL): each wakes
+        the owner thread. Returns what to close, or None without notifications."""
+        if not wakeup.available():
+            return None
+        listener = wakeup.Listener(wakeup.JOBS)
+        done = threading.Event()
+
+        def listen() -> None:
+            while not done.is_set():
+                if listener.wait(IDLE_WAIT, done):
+                    self.wake.set()
+
+        thread = threading.Thread(target=listen, name="job-listener", daemon=True)
+        thread.start()
+
+        class Closer:
+            def close(self) -> None:
+                done.set()
+                thread.join(timeout=IDLE_WAIT + 5)
+                listener.close()
+
+        return Closer()
