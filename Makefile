@@ -56,8 +56,9 @@ $(VENV)/.bench-installed: requirements/bench.txt requirements/dev.txt requiremen
 	touch $(VENV)/.base-installed $(VENV)/.dev-installed $@
 
 ## make bench: the harness (bench/run.py: throughput against the bare limits and the
-## peers, latency, inbound, growth), the inbound acknowledgement ramp and the admin at 1M
-## rows (about an hour in all; results in bench/results/, see docs/benchmarks.md).
+## peers, latency, inbound, growth, background jobs), the inbound acknowledgement ramp and
+## the admin at 1M rows (about 80 minutes in all; results in bench/results/, see
+## docs/benchmarks.md).
 ## make bench BENCH_ARGS=--quick: small N, one repeat, for iterating on the harness.
 bench: $(VENV)/.bench-installed
 	@set -e; export DATABASE_URL="$$(scripts/ensure_postgres.sh)"; \

@@ -223,21 +223,10 @@ def _tree_cpu(pgids: set[int]) -> float:
     return total
 
 
-def drive(
-    name: str,
-    args: argparse.Namespace,
-    *,
-    reset: Callable[[], None],
-    enqueue: Callable[[int], None],
-    workers: list[list[str]],
-    env: dict,
-    settings: dict,
-) -> int:
-    """Time one peer's drain (``measure``) and print its figures as one JSON line."""
-    out = measure(
-        name, args, reset=reset, enqueue=enqueue, workers=workers, env=env, settings=settings
-    )
-    print(json.dumps(out), flush=True)
+def drive(name: str, args: argparse.Namespace, **parts) -> int:
+    """Time one peer's drain (``measure``, with its ``parts``: reset, enqueue, workers,
+    env, settings) and print its figures as one JSON line."""
+    print(json.dumps(measure(name, args, **parts)), flush=True)
     return 0
 
 
@@ -253,9 +242,12 @@ def measure(
 ) -> dict:
     """Reset, enqueue ``args.events`` jobs of ``args.workload`` with no worker running,
     start ``workers``, wait for every job to arrive, stop them; the run's figures."""
-    from bench.outbound import postgres_cpu_seconds
+    from urllib.parse import urlsplit
+
+    from bench.outbound import database_backends_cpu
 
     n, workload = args.events, getattr(args, "workload", "post")
+    database = urlsplit(args.db_url).path.lstrip("/")
     reset()
     t0 = time.perf_counter()
     enqueue(n)
@@ -272,7 +264,7 @@ def measure(
 
     procs = []
     logs = []
-    pg0 = postgres_cpu_seconds(reaped=True)
+    pg0 = database_backends_cpu(database)
     started = time.perf_counter()
     try:
         for i, argv in enumerate(workers):
@@ -309,7 +301,10 @@ def measure(
             cpu = _tree_cpu({p.pid for p in procs})
         drain = time.perf_counter() - started
         cpu = max(cpu, _tree_cpu({p.pid for p in procs}))
-        postgres = postgres_cpu_seconds(reaped=True) - pg0
+        # The backends of the peer's database, read before the workers stop and their
+        # connections close (a backend there before the workers counts from then on).
+        pg1 = database_backends_cpu(database)
+        postgres = sum(cpu - pg0.get(pid, 0.0) for pid, cpu in pg1.items())
         counts = progress()
     finally:
         for p in procs:
@@ -339,8 +334,8 @@ def measure(
         "receiver_requests": counts["requests"],
         "duplicates": counts["requests"] - counts["distinct_webhook_ids"],
         "worker_cpu_seconds": round(cpu, 2),
-        # Every PostgreSQL process on the machine, exited backends included, from the
-        # workers' start to the last arrival: inexact on a shared server.
+        # The database's backends from the workers' start to the last arrival (none for
+        # a Redis broker; the WAL writer and other server processes are not counted).
         "postgres_cpu_seconds": round(postgres, 2),
         "settings": settings,
     }
