@@ -57,8 +57,8 @@ $(VENV)/.bench-installed: requirements/bench.txt requirements/dev.txt requiremen
 
 ## make bench: every script a target in docs/benchmarks.md comes from: the admin at 1M
 ## rows, the harness (bench/run.py: throughput against the bare limits and the peers,
-## latency, inbound, growth), the inbound acknowledgement ramp, backfill memory and slow
-## clients (about an hour in all; results in bench/results/).
+## latency, inbound, growth, background jobs), the inbound acknowledgement ramp, backfill
+## memory and slow clients (about 80 minutes in all; results in bench/results/).
 ## make bench BENCH_ARGS=--quick: the harness with small N and one repeat.
 bench: $(VENV)/.bench-installed
 	@set -e; export DATABASE_URL="$$(scripts/ensure_postgres.sh)"; \
@@ -85,7 +85,7 @@ clean:
 ## pyproject.toml.
 lock: $(VENV)/.dev-installed
 	$(PY) -m pip install -q pip-tools==7.6.2
-	for f in base otel dev; do \
+	for f in base otel dev bench; do \
 	  $(VENV)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
 	    --no-emit-index-url --no-emit-find-links $(PIP_COMPILE_ARGS) \
 	    -o requirements/$$f.txt requirements/$$f.in; \

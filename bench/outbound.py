@@ -205,6 +205,25 @@ def postgres_cpu_seconds(*, reaped: bool = False) -> float:
     return total
 
 
+def database_backends_cpu(database: str) -> dict[int, float]:
+    """CPU seconds of each live PostgreSQL backend connected to ``database``, by pid,
+    found by its process title (``postgres: [cluster:] user database host(port)
+    state``): exact for one database's work on a server that other databases share."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                title = f.read().split(b"\0")[0].split()
+        except OSError:
+            continue
+        words = [w for w in title[1:] if not w.endswith(b":")]  # the cluster's name
+        if title[:1] == [b"postgres:"] and words[1:2] == [database.encode()]:
+            out[int(entry)] = proc_cpu_seconds(int(entry))
+    return out
+
+
 # --- Database ------------------------------------------------------------------------
 
 

@@ -9,7 +9,8 @@ It starts what it needs (the bench databases next to the one ``DATABASE_URL`` na
 through ``scripts/ensure_redis.sh``, database 7 only, flushed by the peers that use it),
 runs each scenario ``--repeat`` times and writes ``bench/results/results.json`` (every
 run, medians, ratios, core count, load average, versions), ``results.md`` (the tables)
-and ``results.png`` (the chart). Scenarios (see docs/benchmarks.md):
+and ``results.png`` (the chart); the jobs scenario the same to ``jobs.json``, ``jobs.md``
+and ``jobs.png``. Scenarios (see docs/benchmarks.md):
 
 * ``throughput``: N signed 1 KiB deliveries to the receiver by the bare aiohttp loop, a
   bare SKIP LOCKED queue, the service, the statements floor (bench/floor.py: the
@@ -22,7 +23,10 @@ and ``results.png`` (the chart). Scenarios (see docs/benchmarks.md):
   by the pipeline alone (processing's own capacity);
 * ``growth``: one scheduler pass (and one with every endpoint at its ceiling), one
   worker claim batch and the peak RSS of ``run_scheduler --once`` with 10,000 and
-  1,000,000 due deliveries.
+  1,000,000 due deliveries;
+* ``jobs``: the host's background jobs (``run_jobs``), the peers and a bare SKIP LOCKED
+  queue each draining N enqueued jobs, no-op jobs and one-POST jobs; rate = N over the
+  first-to-last completion (no-op: marks in a shared file; POST: the receiver).
 """
 
 import argparse
@@ -224,6 +228,30 @@ def design_bound(
     }
 
 
+def ratio_in_repeats(systems: dict[str, list[dict]], of: str, other: str) -> float | None:
+    """The median over the repeats of ``of``'s rate ÷ ``other``'s, each ratio taken
+    within one repeat (the two measured minutes apart on the same machine)."""
+    pairs = [
+        s["per_second"] / o["per_second"]
+        for s, o in zip(systems.get(of, []), systems.get(other, []), strict=False)
+        if s["per_second"] and o["per_second"]
+    ]
+    return round(median(pairs), 3) if pairs else None
+
+
+def over_fastest_peer(systems: dict[str, list[dict]], peers: list[str], of: str) -> float | None:
+    """The median over the repeats of ``of``'s rate ÷ the fastest peer's in that repeat."""
+    ratios = []
+    for i, s in enumerate(systems.get(of, [])):
+        best = max(
+            ((systems[p][i]["per_second"] or 0) for p in peers if i < len(systems.get(p, []))),
+            default=0,
+        )
+        if best and s["per_second"]:
+            ratios.append(s["per_second"] / best)
+    return round(median(ratios), 3) if ratios else None
+
+
 def scenario_throughput(ctx: dict) -> dict:
     n, receiver = ctx["events"], ctx["receiver"]
     pipeline = service_pipeline(dict(SERVICE_ENV))
@@ -271,12 +299,7 @@ def scenario_throughput(ctx: dict) -> dict:
     peers = [name for name in PEERS if name in med]
 
     def ratio_in_run(other: str, of: str = "service") -> float | None:
-        pairs = [
-            s["per_second"] / o["per_second"]
-            for s, o in zip(systems[of], systems[other], strict=False)
-            if s["per_second"] and o["per_second"]
-        ]
-        return round(median(pairs), 3) if pairs else None
+        return ratio_in_repeats(systems, of, other)
 
     fastest = max(peers, key=lambda p: med[p] or 0) if peers else None
     repeats = zip(
@@ -293,12 +316,6 @@ def scenario_throughput(ctx: dict) -> dict:
             ceilings.append(c)
         if b := design_bound(bare, signed, service, [service, floor], n, cores):
             bounds.append(b)
-    # The fastest peer of each repeat, then the service's ratio to it in that repeat.
-    per_repeat_fastest = []
-    for i, s in enumerate(systems["service"]):
-        best = max((systems[p][i]["per_second"] or 0) for p in peers) if peers else 0
-        if best:
-            per_repeat_fastest.append(s["per_second"] / best)
     ratios = {
         "service_over_bare_loop": ratio_in_run("bare aiohttp loop"),
         "service_over_skip_locked": ratio_in_run(BASELINE_SKIP_LOCKED),
@@ -306,8 +323,9 @@ def scenario_throughput(ctx: dict) -> dict:
         "service_over_signed_loop": ratio_in_run(BASELINE_SIGNED),
         "statements_floor_over_bare_loop": ratio_in_run("bare aiohttp loop", of=BASELINE_FLOOR),
         "signed_loop_over_bare_loop": ratio_in_run("bare aiohttp loop", of=BASELINE_SIGNED),
-        "service_over_fastest_peer": round(median(per_repeat_fastest), 3)
-        if per_repeat_fastest
+        # The fastest peer of each repeat, then the service's ratio to it in that repeat.
+        "service_over_fastest_peer": over_fastest_peer(systems, peers, "service")
+        if peers
         else None,
         **{f"service_over_{p}": ratio_in_run(p) for p in peers},
     }
@@ -341,6 +359,175 @@ def scenario_throughput(ctx: dict) -> dict:
             ),
         },
         "runs": systems,
+    }
+
+
+# --- Background jobs -----------------------------------------------------------------
+
+# The two workloads of the jobs scenario (bench/peers/common.py): a job that does nothing
+# but mark itself done, and a job making the throughput scenario's signed 1 KiB POST.
+JOB_WORKLOADS = ("noop", "post")
+# Beside the service as shipped: its no-op as a plain function, run in a worker thread;
+# and the service with its connections' prepared statements off (the setting
+# DATABASE_PREPARE_THRESHOLD=0), which keeps PostgreSQL from switching the batch
+# statements to a generic plan (docs/benchmarks.md says what that costs).
+SERVICE_SYNC = "service, sync job"
+SERVICE_UNPREPARED = "service, DATABASE_PREPARE_THRESHOLD=0"
+# Jobs run at once per run_jobs process (one process per core), per workload: the best
+# of 16 to 5,000 in runs of N = 20,000 on the machine of docs/benchmarks.md.
+JOBS_CONCURRENCY = {"noop": 1000, "post": 128}
+JOBS_TARGETS = {"service_over_fastest_peer": 4.0, "service_over_skip_locked": 0.5}
+# Scenarios written to a results file of their own (bench/results/<stem>.json, .md, .png);
+# the others go to results.json.
+RESULTS_FILES = {"jobs": "jobs"}
+
+
+def results_file(scenario: str) -> str:
+    return RESULTS_FILES.get(scenario, "results")
+
+
+def run_service_jobs(
+    workload: str, n: int, ctx: dict, *, sync: bool = False, env: dict | None = None
+) -> dict:
+    """The service's background jobs, measured as the peers are (``common.measure``):
+    N jobs enqueued with ``enqueue`` in transactions of 1000 and no worker running, then
+    one ``run_jobs`` process per core; the rate from the first to the last arrival."""
+    import argparse
+
+    from django.db import transaction
+
+    import bench.background_jobs as bench_jobs  # registers the job types
+    from bench.peers import common
+    from deliveries.jobs.background import enqueue
+    from deliveries.jobs.models import Job, JobRun
+
+    job_type = bench_jobs.NOOP_SYNC if sync else common.TASK_NAMES[workload]
+    tables = f"{Job._meta.db_table}, {JobRun._meta.db_table}"
+    cores = os.cpu_count() or 1
+    concurrency = JOBS_CONCURRENCY[workload]
+
+    def reset() -> None:
+        ob.sql(f"TRUNCATE {tables}")
+
+    def enqueue_all(count: int) -> None:
+        for start in range(0, count, 1000):
+            with transaction.atomic():
+                for i in range(start, min(count, start + 1000)):
+                    enqueue(job_type, common.job_arguments(workload, i))
+        ob.sql(f"ANALYZE {tables}")  # as the peers' runs do
+
+    worker = [sys.executable, "manage.py", "run_jobs", "--queue", "default"]
+    worker += ["--concurrency", str(concurrency)]
+    env = pipeline_env(
+        ctx["base_url"],
+        ctx["db_name"],
+        "jobs",
+        {
+            "JOBS_MODULES": "bench.background_jobs",
+            "PEER_RECEIVER_URL": ctx["receiver"].url(""),
+            **(env or {}),
+        },
+    )
+    args = argparse.Namespace(
+        events=n,
+        db_url=ob.with_db(ctx["base_url"], ctx["db_name"]),
+        receiver=ctx["receiver"].url(""),
+        timeout=ctx["timeout"],
+        logs=ctx["logs"],
+        workload=workload,
+    )
+    busy0, total0 = ob.machine_cpu()
+    try:
+        out = common.measure(
+            "service-jobs",
+            args,
+            reset=reset,
+            enqueue=enqueue_all,
+            workers=[worker] * cores,
+            env=env,
+            settings={
+                "processes": cores,
+                "concurrency": concurrency,
+                "job_type": job_type,
+                "env": env or {},
+            },
+        )
+    except SystemExit as exc:  # measure's way of saying the run failed
+        raise ob.BenchError(f"service jobs: {exc}") from None
+    busy1, total1 = ob.machine_cpu()
+    states = dict(ob.sql(f"SELECT state, count(*) FROM {Job._meta.db_table} GROUP BY state"))
+    if states.get("done", 0) != n:
+        raise ob.BenchError(f"service jobs: {n} enqueued, states {states}")
+    out["states"] = states
+    out["machine_cpu_busy"] = round((busy1 - busy0) / max(1, total1 - total0), 3)
+    return out
+
+
+def jobs_summary(runs: dict[str, dict[str, list[dict]]], peers: list[str]) -> dict:
+    """Per workload: each system's median rate, the fastest peer, and the service's
+    ratios (to each peer, to the fastest peer of each repeat, to bare SKIP LOCKED), each
+    taken within a repeat, against the targets."""
+    out = {}
+    for workload, systems in runs.items():
+        med = {name: median(r["per_second"] for r in rs) for name, rs in systems.items()}
+        present = [p for p in peers if p in systems]
+        ratios = {
+            "service_over_fastest_peer": over_fastest_peer(systems, present, "service")
+            if present
+            else None,
+            "service_over_skip_locked": ratio_in_repeats(systems, "service", BASELINE_SKIP_LOCKED),
+            **{f"service_over_{p}": ratio_in_repeats(systems, "service", p) for p in present},
+        }
+        for variant, key in ((SERVICE_SYNC, "sync"), (SERVICE_UNPREPARED, "unprepared")):
+            if variant in systems:
+                ratios[f"{key}_over_service"] = ratio_in_repeats(systems, variant, "service")
+        out[workload] = {
+            "median_per_second": med,
+            "fastest_peer": max(present, key=lambda p: med[p] or 0) if present else None,
+            "ratios": ratios,
+            "meets": {
+                k: bool(ratios[k] is not None and ratios[k] >= target)
+                for k, target in JOBS_TARGETS.items()
+            },
+            "runs": systems,
+        }
+    return out
+
+
+def scenario_jobs(ctx: dict) -> dict:
+    n = ctx["jobs_events"]
+    runs: dict[str, dict[str, list[dict]]] = {w: {} for w in JOB_WORKLOADS}
+
+    def add(workload: str, name: str, run: dict) -> None:
+        runs[workload].setdefault(name, []).append(run)
+        log(f"  {workload} {name}: {run['per_second'] or 0:,.0f}/s")
+
+    for i in range(ctx["repeat"]):
+        for workload in JOB_WORKLOADS:
+            log(f"jobs {i + 1}/{ctx['repeat']}, {workload}, N = {n:,}")
+            flags = ["--workload", workload]
+            add(
+                workload,
+                BASELINE_SKIP_LOCKED,
+                run_peer(BASELINE_SKIP_LOCKED, "skiplocked.py", flags, n, ctx),
+            )
+            add(workload, "service", run_service_jobs(workload, n, ctx))
+            if workload == "noop":
+                add(workload, SERVICE_SYNC, run_service_jobs(workload, n, ctx, sync=True))
+            unprepared = {"DATABASE_PREPARE_THRESHOLD": "0"}
+            add(workload, SERVICE_UNPREPARED, run_service_jobs(workload, n, ctx, env=unprepared))
+            for name, (script, extra) in PEERS.items():
+                if name not in ctx["skip_peers"]:
+                    add(workload, name, run_peer(name, script, [*extra, *flags], n, ctx))
+    return {
+        "events": n,
+        "service": {
+            "processes": os.cpu_count() or 1,
+            "concurrency": JOBS_CONCURRENCY,
+            "command": "manage.py run_jobs --queue default --concurrency C",
+        },
+        "targets": JOBS_TARGETS,
+        "workloads": jobs_summary(runs, list(PEERS)),
     }
 
 
@@ -984,11 +1171,14 @@ def markdown(result: dict) -> str:
                 f"{fmt(gr['ratios'][key], 2)} | {verdict} |"
             )
         lines.append("")
+    if result["scenarios"].get("jobs"):
+        lines += jobs_markdown(result["scenarios"]["jobs"], result["versions"])
     headings = {
         "## Outbound": "throughput",
         "## Publish": "latency",
         "## Inbound": "inbound",
         "## Growth": "growth",
+        "## Background jobs": "jobs",
     }
     for i, line in enumerate(list(lines)):
         key = next((k for p, k in headings.items() if line.startswith(p)), None)
@@ -1012,6 +1202,75 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def cpu_per_job_us(runs: list[dict], key: str) -> float | None:
+    """The median over the repeats of a CPU figure of a jobs run, in µs per job."""
+    return median(r[key] * 1e6 / r["events"] for r in runs if r.get(key) is not None)
+
+
+def jobs_markdown(jb: dict, versions: dict) -> list[str]:
+    """The jobs scenario's table (both workloads, each system) and its ratios."""
+    noop, post = jb["workloads"]["noop"], jb["workloads"]["post"]
+    service = jb["service"]
+    settings = {
+        "service": f"{service['processes']} run_jobs, --concurrency "
+        + " / ".join(f"{c} ({w})" for w, c in service["concurrency"].items())
+        + ", async jobs",
+        SERVICE_SYNC: "the no-op as a plain function, in a worker thread",
+        SERVICE_UNPREPARED: "the service with prepared statements off: no generic plans",
+    }
+    lines = [
+        f"## Background jobs (N = {jb['events']:,} per run; jobs/s from the first to the last "
+        "arrival)",
+        "",
+        "| system | no-op jobs/s | service ÷ this | CPU µs per no-op job, workers / PostgreSQL "
+        "| one-POST jobs/s | service ÷ this | versions / settings |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+
+    def ratio(workload: dict, name: str) -> str:
+        key = "service_over_skip_locked" if name == BASELINE_SKIP_LOCKED else f"service_over_{name}"
+        return "" if name == "service" else fmt(workload["ratios"].get(key), 2)
+
+    names = sorted(noop["median_per_second"], key=lambda k: -(noop["median_per_second"][k] or 0))
+    for name in names:
+        runs = noop["runs"][name]
+        cpu = (
+            cpu_per_job_us(runs, "worker_cpu_seconds"),
+            cpu_per_job_us(runs, "postgres_cpu_seconds"),
+        )
+        label = f"**{name}**" if name == "service" else name
+        lines.append(
+            f"| {label} | {fmt(noop['median_per_second'][name])} | {ratio(noop, name)} "
+            f"| {fmt(cpu[0])} / {fmt(cpu[1])} "
+            f"| {fmt(post['median_per_second'].get(name)) if name in post['runs'] else ''} "
+            f"| {ratio(post, name) if name in post['runs'] else ''} "
+            f"| {settings.get(name, versions.get(name, ''))} |"
+        )
+
+    def verdict(workload: dict, key: str) -> str:
+        return "met" if workload["meets"][key] else "NOT met"
+
+    fastest = "service_over_fastest_peer"
+    bare = "service_over_skip_locked"
+    lines += [
+        "",
+        f"Service ÷ fastest peer: no-op **{fmt(noop['ratios'][fastest], 2)}** "
+        f"({noop['fastest_peer']}), one POST **{fmt(post['ratios'][fastest], 2)}** "
+        f"({post['fastest_peer']}); target ≥ {jb['targets'][fastest]:g}: "
+        f"{verdict(noop, fastest)}, {verdict(post, fastest)}. "
+        f"Service ÷ bare SKIP LOCKED: no-op **{fmt(noop['ratios'][bare], 2)}**, one POST "
+        f"**{fmt(post['ratios'][bare], 2)}**; target ≥ {jb['targets'][bare]:g}: "
+        f"{verdict(noop, bare)}, {verdict(post, bare)}.",
+        "",
+        "A no-op job stamps its slot in a file every worker maps (its finish time and a run "
+        "count); a one-POST job sends the throughput scenario's signed 1 KiB POST, counted by "
+        "the receiver. CPU: the workers' processes and the backends of the system's database "
+        "(none with a Redis broker), from the workers' start to the last arrival.",
+        "",
+    ]
+    return lines
+
+
 def chart(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -1019,7 +1278,7 @@ def chart(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     scen = result["scenarios"]
-    panels = [k for k in ("throughput", "latency", "inbound", "growth") if k in scen]
+    panels = [k for k in ("throughput", "latency", "inbound", "growth", "jobs") if k in scen]
     if not panels:
         return
     cols = min(2, len(panels))
@@ -1084,6 +1343,28 @@ def chart(result: dict, path: Path) -> None:
             ax.set_ylabel("events/s (median)")
             ax.set_title(f"Inbound, no-op handler, N = {scen[key]['events']:,}")
             ax.legend()
+        elif key == "jobs":
+            workloads = scen[key]["workloads"]
+            names = sorted(
+                workloads["noop"]["median_per_second"],
+                key=lambda k: workloads["noop"]["median_per_second"][k] or 0,
+            )
+            for offset, (workload, label) in enumerate(
+                (("noop", "no-op job"), ("post", "one-POST job"))
+            ):
+                rates = [workloads[workload]["median_per_second"].get(k) or 0 for k in names]
+                ax.barh(
+                    [i + 0.4 * offset for i in range(len(names))],
+                    rates,
+                    height=0.4,
+                    label=label,
+                    color="tab:red" if offset == 0 else "tab:orange",
+                )
+            ax.set_yticks([i + 0.2 for i in range(len(names))], names)
+            ax.set_xscale("log")
+            ax.set_xlabel("jobs/s (median, log scale)")
+            ax.set_title(f"Background jobs, N = {scen[key]['events']:,}")
+            ax.legend(loc="lower right", fontsize="small")
         else:
             labels = ["scheduler pass", "pass, all full", "claim batch", "peak RSS"]
             keys = [
@@ -1174,8 +1455,9 @@ def cpu_model() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small N, 1 repeat")
-    parser.add_argument("--scenarios", default="throughput,latency,inbound,growth")
+    parser.add_argument("--scenarios", default="throughput,latency,inbound,growth,jobs")
     parser.add_argument("--events", type=int, default=None, help="throughput N (20,000)")
+    parser.add_argument("--jobs-events", type=int, default=None, help="jobs N (20,000)")
     parser.add_argument("--repeat", type=int, default=None, help="runs per scenario (3)")
     parser.add_argument("--rates", default=None, help="latency: events/s, comma-separated")
     parser.add_argument("--latency-seconds", type=float, default=None)
@@ -1190,24 +1472,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--update",
         action="store_true",
-        help="keep the other scenarios of the existing results.json (replace only these)",
+        help="keep the other scenarios of the existing results file (replace only these)",
     )
     parser.add_argument(
         "--render",
         type=Path,
         default=None,
         metavar="RESULTS_JSON",
-        help="only write results.md and results.png again from this results.json",
+        help="only write the .md and .png beside this results.json (or jobs.json) again",
     )
     args = parser.parse_args(argv)
     if args.render:
         result = json.loads(args.render.read_text())
-        (args.render.parent / "results.md").write_text(markdown(result) + "\n")
-        chart(result, args.render.parent / "results.png")
+        args.render.with_suffix(".md").write_text(markdown(result) + "\n")
+        chart(result, args.render.with_suffix(".png"))
         return 0
     q = args.quick
     ctx: dict = {
         "events": args.events or (2000 if q else 20_000),
+        "jobs_events": args.jobs_events or (5000 if q else 20_000),
         "repeat": args.repeat or (1 if q else 3),
         "rates": [int(r) for r in (args.rates or ("100,300" if q else "250,500,1000")).split(",")],
         "latency_seconds": args.latency_seconds or (3 if q else 15),
@@ -1232,7 +1515,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx["peer_db_url"] = ob.with_db(base_url, peer_db)
     ctx["logs"] = Path(tempfile.mkdtemp(prefix="bench-run-"))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if "throughput" in scenarios:
+    if {"throughput", "jobs"} & set(scenarios):
         subprocess.run([str(ROOT / "scripts" / "ensure_redis.sh")], check=True)
     for name in (ctx["db_name"], peer_db):
         ob.ensure_database(ob.with_db(base_url, "postgres"), name)
@@ -1258,30 +1541,39 @@ def main(argv: list[str] | None = None) -> int:
         "latency": scenario_latency,
         "inbound": scenario_inbound,
         "growth": scenario_growth,
+        "jobs": scenario_jobs,
     }
     args.output_dir.mkdir(parents=True, exist_ok=True)
     result["admin_reference"] = admin_reference()
-    previous = args.output_dir / "results.json"
-    if args.update and previous.exists():
-        result["scenarios"] = json.loads(previous.read_text()).get("scenarios", {})
+    # One results file per group of scenarios (results.json, jobs.json), each with the
+    # run's header: a run of some scenarios rewrites only their files.
+    results: dict[str, dict] = {}
+    for stem in dict.fromkeys(results_file(name) for name in scenarios):
+        results[stem] = {**result, "scenarios": {}}
+        if stem != "results":
+            results[stem].pop("admin_reference")
+        previous = args.output_dir / f"{stem}.json"
+        if args.update and previous.exists():
+            results[stem]["scenarios"] = json.loads(previous.read_text()).get("scenarios", {})
 
-    def write() -> str:
+    def write(stem: str) -> str:
         # After every scenario, so a failure later in the run keeps what was measured.
-        result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
-        (args.output_dir / "results.json").write_text(
-            json.dumps(result, indent=2, default=str) + "\n"
-        )
-        md_text = markdown(result)
-        (args.output_dir / "results.md").write_text(md_text + "\n")
-        chart(result, args.output_dir / "results.png")
+        out = results[stem]
+        out["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+        (args.output_dir / f"{stem}.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
+        md_text = markdown(out)
+        (args.output_dir / f"{stem}.md").write_text(md_text + "\n")
+        chart(out, args.output_dir / f"{stem}.png")
         return md_text
 
+    md_texts: dict[str, str] = {}
     try:
         for name in scenarios:
             load = [round(x, 2) for x in os.getloadavg()]
             started_at = time.strftime("%Y-%m-%d %H:%M:%S %z")
-            result["scenarios"][name] = funcs[name](ctx)
-            result["scenarios"][name]["measured"] = {
+            stem = results_file(name)
+            results[stem]["scenarios"][name] = funcs[name](ctx)
+            results[stem]["scenarios"][name]["measured"] = {
                 "at": started_at,
                 "load_average_before": load,
                 "load_average_after": [round(x, 2) for x in os.getloadavg()],
@@ -1292,14 +1584,15 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "growth"
                 else f"{ctx['repeat']} repeat(s)",
             }
-            md_text = write()
+            md_texts[stem] = write(stem)
     except ob.BenchError as exc:
         print(f"FAILED: {exc}\nlogs: {ctx['logs']}", file=sys.stderr)
         return 1
     finally:
         ob.stop_all()
-    print("\n" + md_text)
-    print(f"results: {args.output_dir}/results.{{json,md,png}}; logs: {ctx['logs']}")
+    print("\n" + "\n".join(md_texts.values()))
+    files = ", ".join(f"{stem}.{{json,md,png}}" for stem in results)
+    print(f"results: {args.output_dir}/ {files}; logs: {ctx['logs']}")
     return 0
 
 

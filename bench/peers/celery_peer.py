@@ -15,15 +15,18 @@ def main() -> int:
     os.environ.update(env)
     import redis
 
-    from bench.peers.celery_app import QUEUE, app, deliver
+    from bench.peers.celery_app import QUEUE, app, deliver, noop
 
     def reset() -> None:
         redis.Redis.from_url(common.REDIS_URL).flushdb()  # only the bench's own db
 
+    task = {"post": deliver, "noop": noop}[args.workload]
+
     def enqueue(n: int) -> None:
         with app.producer_or_acquire() as producer:
             for i in range(n):
-                deliver.apply_async((common.payload(i), f"msg_{i}"), producer=producer)
+                kwargs = common.job_arguments(args.workload, i)
+                task.apply_async(kwargs=kwargs, producer=producer)
 
     worker = [
         sys.executable,

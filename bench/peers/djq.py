@@ -46,16 +46,14 @@ def main() -> int:
 
     broker = get_broker()
 
+    task = {"post": "bench.peers.djq_tasks.deliver", "noop": "bench.peers.djq_tasks.noop"}
+
     def enqueue(n: int) -> None:
         for start in range(0, n, 1000):
             with transaction.atomic():
                 for i in range(start, min(n, start + 1000)):
-                    async_task(
-                        "bench.peers.djq_tasks.deliver",
-                        common.payload(i),
-                        f"msg_{i}",
-                        broker=broker,
-                    )
+                    kwargs = common.job_arguments(args.workload, i)
+                    async_task(task[args.workload], **kwargs, broker=broker)
         if args.broker == "orm":  # statistics for the filled queue, as the service's run does
             from django.db import connection
 

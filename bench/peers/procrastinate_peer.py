@@ -18,7 +18,7 @@ def main() -> int:
     os.environ.update(env)
     import psycopg
 
-    from bench.peers.proc_app import QUEUE, app, deliver
+    from bench.peers.proc_app import QUEUE, app, deliver, noop
 
     def reset() -> None:
         with psycopg.connect(args.db_url, autocommit=True) as conn:
@@ -29,10 +29,11 @@ def main() -> int:
 
     def enqueue(n: int) -> None:
         with app.open():
+            task = {"post": deliver, "noop": noop}[args.workload]
             for start in range(0, n, 1000):
-                deliver.batch_defer(
+                task.batch_defer(
                     *(
-                        {"data": common.payload(i), "msg_id": f"msg_{i}"}
+                        common.job_arguments(args.workload, i)
                         for i in range(start, min(n, start + 1000))
                     )
                 )

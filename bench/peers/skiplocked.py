@@ -6,13 +6,16 @@ claims a batch (``UPDATE ... SET claimed_until = now() + 30 s WHERE id IN (SELEC
 UPDATE SKIP LOCKED LIMIT batch) RETURNING``), posts the batch concurrently with aiohttp,
 then deletes the rows it delivered: at-least-once, two statements per batch, nothing
 else (no states, no attempts, no retries, no ceilings). What a queue costs at the least
-on this database; the service's distance to it is the price of its bookkeeping.
+on this database; the service's distance to it is the price of its bookkeeping. With
+``--workload noop`` each row's body is ``{"seq": i}`` and a worker marks each claimed
+row done (``common.mark_done``) instead of posting it: claim a batch, delete it.
 
     python bench/peers/skiplocked.py --events N --receiver URL --db-url URL   # the driver
     python bench/peers/skiplocked.py --work ...                              # one process
 """
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -32,7 +35,7 @@ RETURNING id, msg_id, body
 """
 
 
-async def work(db_url: str, receiver: str, workers: int, batch: int) -> None:
+async def work(db_url: str, receiver: str, workers: int, batch: int, workload: str) -> None:
     import aiohttp
     import psycopg
 
@@ -48,9 +51,13 @@ async def work(db_url: str, receiver: str, workers: int, batch: int) -> None:
                         return
                     await asyncio.sleep(0.05)
                     continue
-                await asyncio.gather(
-                    *(common.post_async(session, url, body.encode(), m) for _, m, body in rows)
-                )
+                if workload == "noop":
+                    for _, _, body in rows:
+                        common.mark_done(json.loads(body)["seq"])
+                else:
+                    await asyncio.gather(
+                        *(common.post_async(session, url, body.encode(), m) for _, m, body in rows)
+                    )
                 done = [r[0] for r in rows]
                 await conn.execute(f"DELETE FROM {TABLE} WHERE id = ANY(%s)", [done])
 
@@ -65,7 +72,7 @@ def main() -> int:
     parser.add_argument("--work", action="store_true", help="be one worker process")
     args = parser.parse_args()
     if args.work:
-        asyncio.run(work(args.db_url, args.receiver, args.workers, args.batch))
+        asyncio.run(work(args.db_url, args.receiver, args.workers, args.batch, args.workload))
         return 0
     import psycopg
 
@@ -81,7 +88,8 @@ def main() -> int:
         with psycopg.connect(args.db_url) as conn, conn.cursor() as cur:
             with cur.copy(f"COPY {TABLE} (msg_id, body) FROM STDIN") as copy:
                 for i in range(n):
-                    copy.write_row((f"msg_{i}", common.encode(common.payload(i)).decode()))
+                    body = common.payload(i) if args.workload == "post" else {"seq": i}
+                    copy.write_row((f"msg_{i}", common.encode(body).decode()))
             cur.execute(f"ANALYZE {TABLE}")
 
     worker = [
@@ -96,6 +104,8 @@ def main() -> int:
         str(args.workers),
         "--batch",
         str(args.batch),
+        "--workload",
+        args.workload,
     ]
     return common.drive(
         "skip-locked",
@@ -108,6 +118,7 @@ def main() -> int:
             "processes": args.processes,
             "workers_per_process": args.workers,
             "batch": args.batch,
+            "workload": args.workload,
         },
     )
 
