@@ -268,20 +268,36 @@ def _(params):
 
 # --- Renew -----------------------------------------------------------------------------
 
-# Extend the leases of jobs still running (each to its ``until``) and write the progress
-# they reported, for the lease holders only. Params: {id, token, until, reported, done,
-# total, now} (arrays but now); rows (id,) of the leases still held.
+# Extend the leases of jobs still running (each to its ``until``), write the progress they
+# reported, and extend their entity locks to the same ``until``, for the lease holders
+# only, in one statement: a lock never runs out before the lease it belongs to (a
+# database error renews neither, and the next pass tries both again). A lock whose row
+# is gone or has another owner is left as it is: it expired and was taken over (its
+# holder stalled past the lease), and what the other holder runs cannot be undone; the
+# second column says so, and the worker logs it (``job.lock_lost``).
+# Params: {id, token, until, reported, done, total, now} (arrays but now); rows
+# (id, lock held) of the leases still held, lock held true for a job without a lock.
 RENEW_JOBS = Statement("""
-UPDATE trusty_jobs_job j
-SET lease_until = r.until,
-    progress_done = CASE WHEN r.reported THEN r.done ELSE j.progress_done END,
-    progress_total = CASE WHEN r.reported THEN nullif(r.total, -1)
-        ELSE j.progress_total END,
-    progress_updated_at = CASE WHEN r.reported THEN %(now)s ELSE j.progress_updated_at END
-FROM unnest(%(id)b::uuid[], %(token)b::uuid[], %(until)b::timestamptz[], %(reported)b::bool[],
-    %(done)b::int8[], %(total)b::int8[]) AS r(id, token, until, reported, done, total)
-WHERE j.id = r.id AND j.state = 'running' AND j.lease_token = r.token
-RETURNING j.id
+WITH renewed AS (
+    UPDATE trusty_jobs_job j
+    SET lease_until = r.until,
+        progress_done = CASE WHEN r.reported THEN r.done ELSE j.progress_done END,
+        progress_total = CASE WHEN r.reported THEN nullif(r.total, -1)
+            ELSE j.progress_total END,
+        progress_updated_at = CASE WHEN r.reported THEN %(now)s ELSE j.progress_updated_at END
+    FROM unnest(%(id)b::uuid[], %(token)b::uuid[], %(until)b::timestamptz[],
+        %(reported)b::bool[], %(done)b::int8[], %(total)b::int8[])
+        AS r(id, token, until, reported, done, total)
+    WHERE j.id = r.id AND j.state = 'running' AND j.lease_token = r.token
+    RETURNING j.id, j.lock_key, j.lease_token, r.until
+), locks AS (
+    UPDATE deliveries_entitylock l SET expires_at = renewed.until
+    FROM renewed
+    WHERE renewed.lock_key <> '' AND l.key = renewed.lock_key
+        AND l.owner = renewed.lease_token::text
+    RETURNING renewed.id
+)
+SELECT id, lock_key = '' OR id IN (SELECT id FROM locks) FROM renewed
 """)
 
 
@@ -290,7 +306,8 @@ def _(params):
     held = []
     with transaction.atomic():
         for i, job_id in enumerate(params["id"]):
-            fields = {"lease_until": params["until"][i]}
+            token, until = params["token"][i], params["until"][i]
+            fields = {"lease_until": until}
             if params["reported"][i]:
                 total = params["total"][i]
                 fields.update(
@@ -298,10 +315,14 @@ def _(params):
                     progress_total=total if total >= 0 else None,
                     progress_updated_at=params["now"],
                 )
-            if Job.objects.filter(id=job_id, state=RUNNING, lease_token=params["token"][i]).update(
-                **fields
-            ):
-                held.append((job_id,))
+            mine = Job.objects.filter(id=job_id, state=RUNNING, lease_token=token)
+            lock_key = mine.values_list("lock_key", flat=True).first()
+            if not mine.update(**fields):
+                continue
+            locked = not lock_key or bool(
+                EntityLock.objects.filter(key=lock_key, owner=str(token)).update(expires_at=until)
+            )
+            held.append((job_id, locked))
     return held
 
 

@@ -94,6 +94,8 @@ class InFlight:
     settled: bool = False
     future: object = None
     last_progress: tuple | None = None
+    # Its entity lock was found taken over at a renewal (logged once).
+    lock_lost: bool = False
 
 
 @dataclass
@@ -557,9 +559,9 @@ class JobWorker:
 
     def _renew(self) -> None:
         """Extend the leases ending within half their length, write reported progress,
-        and renew the entity locks of the jobs renewed, and those of functions still
-        running past their recorded timeout (so that no job on their entity starts
-        before they return)."""
+        and renew the entity locks of the jobs renewed (in the same statement), and those
+        of functions still running past their recorded timeout (so that no job on their
+        entity starts before they return)."""
         clock = time.monotonic()
         if clock < self.next_renew:
             return
@@ -600,7 +602,7 @@ class JobWorker:
             params["done"].append(running.done or 0)
             params["total"].append(-1 if running.total is None else running.total)
         params["now"] = now
-        held = {row[0] for row in RENEW_JOBS(params)}
+        held = dict(RENEW_JOBS(params))  # the lease and the entity lock in one statement
         for entry, until in due:
             entry.last_progress = (entry.running.done, entry.running.total)
             if entry.job.id not in held:
@@ -611,13 +613,16 @@ class JobWorker:
                 )  # fmt: skip
                 continue
             entry.lease_until = until
-            if entry.job.lock_key:
-                entity_lock_acquire(
-                    key=entry.job.lock_key,
-                    owner=str(entry.job.token),
-                    ttl=entry.spec.lease_seconds,
-                    now=now,
-                )
+            if not held[entry.job.id] and not entry.lock_lost:
+                # The lock expired and another job took it: that job may be running on
+                # the entity now. Nothing can undo that; this job runs on (its function
+                # cannot be stopped) and the lock is not taken back (RENEW_JOBS).
+                entry.lock_lost = True
+                logger.warning(
+                    "job entity lock lost",
+                    extra={"action": "job.lock_lost", "job_id": str(entry.job.id),
+                           "job_type": entry.job.type, "lock_key": entry.job.lock_key},
+                )  # fmt: skip
 
     # --- Wake-ups --------------------------------------------------------------------
 
