@@ -451,14 +451,23 @@ class JobWorker:
                     self.finished.append(_timed_out(entry, now - entry.t0, still_running=True))
 
     def _wait_time(self) -> float:
+        """Until the next thing to do: a timeout, or a lease (or the entity lock of a
+        function past its timeout) due for renewal, that is half its length from its
+        end: a lease shorter than two IDLE_WAITs would otherwise run out between two
+        passes. Not sooner than ``_renew`` would renew again."""
         soonest = IDLE_WAIT
         now = time.monotonic()
+        wall = timezone.now()
+        next_renew = max(self.next_renew - now, 0.01)
         with self.lock:
             for entry in self.in_flight.values():
                 if entry.timeout_at is not None and not entry.settled:
                     soonest = min(soonest, max(entry.timeout_at - now, 0.01))
                 if entry.running.reported:
                     soonest = min(soonest, RENEW_EVERY)
+                if entry.spec is not None and (entry.job.lock_key or not entry.settled):
+                    left = (entry.lease_until - wall).total_seconds()
+                    soonest = min(soonest, max(left - entry.spec.lease_seconds / 2, next_renew))
         return soonest
 
     # --- Record ----------------------------------------------------------------------

@@ -302,20 +302,25 @@ def test_progress_is_written_while_the_job_runs():
 
 @both
 def test_a_long_jobs_lease_is_renewed_while_it_runs(settings):
-    settings.JOBS_LEASE_MARGIN = 0.5  # a job without a timeout: a lease of 1 s
-    job = enqueue("test.long", {"label": "long", "seconds": 3})
+    # A job without a timeout: a lease of 3 s, renewed with 1.5 s left, which leaves a
+    # busy machine 1.5 s to run the worker's pass; the job runs for over two leases.
+    settings.JOBS_LEASE_MARGIN = 1.5
+    job = enqueue("test.long", {"label": "long", "seconds": 7})
     worker = JobWorker(concurrency=1)
     thread = in_background(worker)
-    expired = 0
+    expired, leases = 0, set()
     try:
         poll(lambda: state_of(job).state == JobState.RUNNING, what="the job running")
-        while state_of(job).state == JobState.RUNNING:
+        while (row := state_of(job)).state == JobState.RUNNING:
+            leases.add(row.lease_until)
             expired += jobs_schedule(timezone.now(), 100)[0]["lease_expired"]
             time.sleep(0.1)
     finally:
         worker.request_stop()
         thread.join()
     assert expired == 0
+    # The claim's lease and at least two renewals: without them it would have expired.
+    assert len(leases) >= 3, f"leases seen: {sorted(leases)}"
     row = state_of(job)
     assert (row.state, row.attempts) == (JobState.DONE, 1)
 
