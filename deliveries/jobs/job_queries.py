@@ -170,6 +170,14 @@ def _(params):
         return list(Job.objects.filter(id__in=[p[0] for p in picked]).values_list(*CLAIMED))
 
 
+# RECORD_JOBS and RENEW_JOBS find a batch of rows by primary key, joining the batch's
+# arrays (unnest) to the job table. Their state test is written ``(j.state || '') =
+# 'running'`` so that the planner cannot answer it from the partial index job_running: a
+# generic plan (prepared statements) assumes 10 rows an unnest, and with statistics from
+# when few jobs ran it read every running job to find the batch's (hash or nested loop);
+# without that path the one cheap plan left is a primary-key lookup per row of the batch.
+# The claim updates its rows by ``j.id = ANY(...)`` already.
+
 # --- Record --------------------------------------------------------------------------------
 
 # What one finished (or given back) job records: the row's next state, and the run.
@@ -207,7 +215,7 @@ WITH r AS (
         progress_total = CASE WHEN r.reported THEN nullif(r.total, -1)
             ELSE j.progress_total END,
         progress_updated_at = CASE WHEN r.reported THEN %(now)s ELSE j.progress_updated_at END
-    FROM r WHERE j.id = r.id AND j.state = 'running' AND j.lease_token = r.token
+    FROM r WHERE j.id = r.id AND (j.state || '') = 'running' AND j.lease_token = r.token
     RETURNING j.id, j.lock_key, r.token, r.keep_lock
 ), runs AS (
     INSERT INTO trusty_jobs_jobrun (job_id, attempt, run_id, started_at, duration_ms,
@@ -288,7 +296,7 @@ WITH renewed AS (
     FROM unnest(%(id)b::uuid[], %(token)b::uuid[], %(until)b::timestamptz[],
         %(reported)b::bool[], %(done)b::int8[], %(total)b::int8[])
         AS r(id, token, until, reported, done, total)
-    WHERE j.id = r.id AND j.state = 'running' AND j.lease_token = r.token
+    WHERE j.id = r.id AND (j.state || '') = 'running' AND j.lease_token = r.token
     RETURNING j.id, j.lock_key, j.lease_token, r.until
 ), locks AS (
     UPDATE deliveries_entitylock l SET expires_at = renewed.until
