@@ -88,7 +88,9 @@ CLAIMED = ("id", "type", "version", "payload", "attempts", "lease_token", "lock_
 # statement's commit. The claimed rows are updated through the primary key (an id array:
 # a join would let the planner hash the whole table). The lease: ``leases`` seconds for
 # the type at the same place in ``types``, ``default_lease`` for a type this worker does
-# not know.
+# not know. The rows come back in claim order (priority, then due time), the order the
+# worker starts them in and so takes their entity locks: of two claimed jobs on one
+# entity, the older runs first.
 # Params: {queues, now, limit, scan, per_tenant, types, leases, default_lease}.
 CLAIM_JOBS = Statement("""
 WITH running AS (
@@ -116,16 +118,20 @@ WITH running AS (
         OR c.nth + coalesce(r.n, 0) <= %(per_tenant)s
     ORDER BY c.priority DESC, c.run_at
     LIMIT %(limit)s
+), claimed AS (
+    UPDATE trusty_jobs_job j
+    SET state = 'running', lease_token = gen_random_uuid(), attempts = j.attempts + 1,
+        started_at = %(now)s,
+        lease_until = %(now)s + make_interval(secs => coalesce(
+            (SELECT l.seconds
+             FROM unnest(%(types)b::text[], %(leases)b::float8[]) AS l(type, seconds)
+             WHERE l.type = j.type), %(default_lease)s))
+    WHERE j.id = ANY(ARRAY(SELECT id FROM picked))
+    RETURNING j.id, j.type, j.version, j.payload, j.attempts, j.lease_token, j.lock_key,
+        j.tenant_id, j.deadline, j.priority, j.run_at
 )
-UPDATE trusty_jobs_job j
-SET state = 'running', lease_token = gen_random_uuid(), attempts = j.attempts + 1,
-    started_at = %(now)s,
-    lease_until = %(now)s + make_interval(secs => coalesce(
-        (SELECT l.seconds FROM unnest(%(types)b::text[], %(leases)b::float8[]) AS l(type, seconds)
-         WHERE l.type = j.type), %(default_lease)s))
-WHERE j.id = ANY(ARRAY(SELECT id FROM picked))
-RETURNING j.id, j.type, j.version, j.payload, j.attempts, j.lease_token, j.lock_key,
-    j.tenant_id, j.deadline
+SELECT id, type, version, payload, attempts, lease_token, lock_key, tenant_id, deadline
+FROM claimed ORDER BY priority DESC, run_at, id
 """)
 
 
@@ -143,7 +149,7 @@ def _(params):
         candidates = (
             Job.objects.filter(state=PENDING, queue__in=params["queues"], run_at__lte=now)
             .filter(Q(deadline__isnull=True) | Q(deadline__gt=now))
-            .order_by("-priority", "run_at")
+            .order_by("-priority", "run_at", "id")
         )
         if per_tenant > 0:
             full = [t for t, n in running.items() if n >= per_tenant]
@@ -167,7 +173,9 @@ def _(params):
                 attempts=F("attempts") + 1,
                 started_at=now,
             )
-        return list(Job.objects.filter(id__in=[p[0] for p in picked]).values_list(*CLAIMED))
+        rows = Job.objects.filter(id__in=[p[0] for p in picked]).values_list(*CLAIMED)
+        by_id = {row[0]: row for row in rows}
+        return [by_id[job_id] for job_id, _ in picked]
 
 
 # RECORD_JOBS and RENEW_JOBS find a batch of rows by primary key, joining the batch's
