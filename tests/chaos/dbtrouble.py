@@ -1,13 +1,15 @@
 """Database trouble, one kind at a time: every long-running process (run_scheduler,
-run_relay, run_workers, which also runs the inbound processing jobs, and the gunicorn web
-server that receives inbound webhooks) keeps running through
+run_relay, run_workers, which also runs the inbound processing jobs, run_jobs, which runs
+background jobs, and the gunicorn web server that receives inbound webhooks) keeps
+running through
 
 - ``pg_terminate_backend`` of its own connections, command by command, then of all;
 - a restart of the server (``pg_ctl restart -m fast``, then ``-m immediate``: crash
   recovery);
 
-with no restart by hand, and after each, new outbound events are delivered and new
-inbound events applied once. Nothing published before or during the trouble is lost.
+with no restart by hand, and after each, new outbound events are delivered, new
+inbound events applied once and new background jobs done. Nothing published before or
+during the trouble is lost.
 
     python -m tests.chaos.dbtrouble [--json PATH]
 
@@ -53,6 +55,8 @@ def run(json_path: str | None, only: str = "") -> int:
         from django.db import InterfaceError, OperationalError, connection
 
         from deliveries import services
+        from deliveries.jobs.background import enqueue
+        from deliveries.jobs.models import Job, JobState
         from deliveries.models import Delivery, Tenant
         from ingest.models import InboundEvent
         from ingest.schemes import get_scheme
@@ -68,7 +72,7 @@ def run(json_path: str | None, only: str = "") -> int:
         source_create(slug=SOURCE, scheme="standard", secrets=[inbound_secret])
         connection.close()
 
-        fleet = Fleet(env, cluster.dir / "logs", workers=1)
+        fleet = Fleet(env, cluster.dir / "logs", workers=1, job_workers=1)
         for role in fleet.killable:
             fleet.start(role)
         port = free_port()
@@ -106,6 +110,7 @@ def run(json_path: str | None, only: str = "") -> int:
                         tenant=tenant, event_type="t", payload={"phase": phase, "i": i}
                     )
                 )
+                with_retry(lambda i=i: enqueue("soak.ok", {"i": i, "entity": f"{phase}-{i % 3}"}))
                 event_id = f"{phase}-{i}"
                 body = json.dumps({"type": "t", "data": {"id": f"{phase}-{i % 3}"}}).encode()
                 sent.occurred[event_id] = None
@@ -114,8 +119,10 @@ def run(json_path: str | None, only: str = "") -> int:
 
         def settled() -> bool:
             try:
-                busy = Delivery.objects.exclude(state="succeeded").exists() or (
-                    InboundEvent.objects.exclude(state="processed").exists()
+                busy = (
+                    Delivery.objects.exclude(state="succeeded").exists()
+                    or InboundEvent.objects.exclude(state="processed").exists()
+                    or Job.objects.exclude(state=JobState.DONE).exists()
                 )
             except (OperationalError, InterfaceError):
                 busy = True
@@ -125,10 +132,12 @@ def run(json_path: str | None, only: str = "") -> int:
         def waiting() -> dict:
             from collections import Counter
 
-            found = Counter(
-                f"delivery {s}" for s in Delivery.objects.values_list("state", flat=True)
-            ) + Counter(
-                f"inbound {s}" for s in InboundEvent.objects.values_list("state", flat=True)
+            found = (
+                Counter(f"delivery {s}" for s in Delivery.objects.values_list("state", flat=True))
+                + Counter(
+                    f"inbound {s}" for s in InboundEvent.objects.values_list("state", flat=True)
+                )
+                + Counter(f"job {s}" for s in Job.objects.values_list("state", flat=True))
             )
             stuck = list(
                 InboundEvent.objects.filter(state="processing").values(
@@ -136,7 +145,8 @@ def run(json_path: str | None, only: str = "") -> int:
                 )
             )
             connection.close()
-            left = {k: v for k, v in found.items() if "succeeded" not in k and "processed" not in k}
+            finished = ("succeeded", "processed", "job done")
+            left = {k: v for k, v in found.items() if not any(f in k for f in finished)}
             return {**left, "stuck": stuck[:3]} if stuck else left
 
         phases = [("baseline", lambda: 0)]
@@ -193,6 +203,8 @@ def run(json_path: str | None, only: str = "") -> int:
         deliveries = Delivery.objects.count()
         delivered = Delivery.objects.filter(state="succeeded").count()
         copies = receiver.snapshot().copies
+        jobs = Job.objects.count()
+        jobs_done = Job.objects.filter(state=JobState.DONE).count()
         with connection.cursor() as cursor:
             cursor.execute("SELECT event_id, count(*) FROM chaos_effect GROUP BY event_id")
             effects = dict(cursor.fetchall())
@@ -210,6 +222,8 @@ def run(json_path: str | None, only: str = "") -> int:
             "deliveries": deliveries,
             "delivered": delivered,
             "received": len(copies),
+            "jobs": jobs,
+            "jobs_done": jobs_done,
             "inbound_sent": len(sent.occurred),
             "inbound_applied_once": sum(1 for k in sent.occurred if effects.get(k) == 1),
             "inbound_applied_twice": sum(1 for v in effects.values() if v > 1),
@@ -223,6 +237,7 @@ def run(json_path: str | None, only: str = "") -> int:
             and not fleet.unexpected
             and all(c == 0 for c in codes.values())
             and deliveries == delivered == len(copies) == PER_PHASE * len(phases)
+            and jobs == jobs_done == PER_PHASE * len(phases)
             and result["inbound_applied_once"] == result["inbound_sent"]
             and result["inbound_applied_twice"] == 0
             and not sent.failed

@@ -1,8 +1,9 @@
 """Database trouble (tests/chaos/dbtrouble.py): every long-running process, run_scheduler,
-run_relay, run_workers (outbound deliveries and inbound processing) and the gunicorn web
-server, survives pg_terminate_backend of its own connections and a restart of the server
-(fast, then immediate) without being restarted, and nothing is lost: every outbound event
-published around the trouble is delivered and every inbound event applied once."""
+run_relay, run_workers (outbound deliveries and inbound processing), run_jobs (background
+jobs) and the gunicorn web server, survives pg_terminate_backend of its own connections
+and a restart of the server (fast, then immediate) without being restarted, and nothing
+is lost: every outbound event published around the trouble is delivered, every inbound
+event applied once and every background job done."""
 
 import pytest
 
@@ -23,4 +24,5 @@ def test_every_long_running_command_survives_dropped_connections_and_a_restarted
     assert report["deliveries"] == report["delivered"] == report["received"], shown
     assert report["inbound_applied_once"] == report["inbound_sent"], shown
     assert report["inbound_applied_twice"] == 0, shown
+    assert report["jobs"] == report["jobs_done"] == report["deliveries"], shown
     assert result.returncode == 0 and report["ok"], shown
