@@ -89,7 +89,9 @@ class InFlight:
     started: datetime
     t0: float
     timeout_at: float | None
-    lease_until: datetime
+    lease: float  # seconds a claim or a renewal holds it
+    # When (time.monotonic) half the lease is spent: from then on a pass renews it.
+    renew_at: float
     # Whether the outcome was taken (a result or a timeout): the other is thrown away.
     settled: bool = False
     future: object = None
@@ -368,14 +370,16 @@ class JobWorker:
         (unreadable, or its entity lock held by another job)."""
         spec = JOB_TYPES.get(job.type)
         running = RunningJob(id=job.id, type=job.type, attempt=job.attempt, tenant_id=job.tenant_id)
+        t0 = time.monotonic()
         entry = InFlight(
             job=job,
             spec=spec,
             running=running,
             started=now,
-            t0=time.monotonic(),
+            t0=t0,
             timeout_at=None,
-            lease_until=now + timedelta(seconds=lease),
+            lease=lease,
+            renew_at=t0 + lease / 2,
         )
         try:
             if spec is None:
@@ -455,20 +459,18 @@ class JobWorker:
         function past its timeout) due for renewal, that is half its length from its
         end: a lease shorter than two IDLE_WAITs would otherwise run out between two
         passes. Not sooner than ``_renew`` would renew again."""
-        soonest = IDLE_WAIT
         now = time.monotonic()
-        wall = timezone.now()
-        next_renew = max(self.next_renew - now, 0.01)
+        soonest = now + IDLE_WAIT
+        next_renew = max(self.next_renew, now + 0.01)
         with self.lock:
             for entry in self.in_flight.values():
                 if entry.timeout_at is not None and not entry.settled:
-                    soonest = min(soonest, max(entry.timeout_at - now, 0.01))
+                    soonest = min(soonest, max(entry.timeout_at, now + 0.01))
                 if entry.running.reported:
-                    soonest = min(soonest, RENEW_EVERY)
+                    soonest = min(soonest, now + RENEW_EVERY)
                 if entry.spec is not None and (entry.job.lock_key or not entry.settled):
-                    left = (entry.lease_until - wall).total_seconds()
-                    soonest = min(soonest, max(left - entry.spec.lease_seconds / 2, next_renew))
-        return soonest
+                    soonest = min(soonest, max(entry.renew_at, next_renew))
+        return soonest - now
 
     # --- Record ----------------------------------------------------------------------
 
@@ -576,43 +578,42 @@ class JobWorker:
             return
         self.next_renew = clock + RENEW_EVERY
         now = timezone.now()
-        due: list[tuple[InFlight, datetime]] = []
+        due: list[InFlight] = []
         overrunning: list[InFlight] = []
         with self.lock:
             for entry in self.in_flight.values():
                 if entry.spec is None:
                     continue
-                lease = entry.spec.lease_seconds
                 if entry.settled:
-                    if entry.job.lock_key and (entry.lease_until - now).total_seconds() < lease / 2:
+                    if entry.job.lock_key and clock >= entry.renew_at:
                         overrunning.append(entry)
                     continue
                 report = (entry.running.done, entry.running.total)
                 progressed = entry.running.reported and report != entry.last_progress
-                if progressed or (entry.lease_until - now).total_seconds() < lease / 2:
-                    due.append((entry, now + timedelta(seconds=lease)))
+                if progressed or clock >= entry.renew_at:
+                    due.append(entry)
         for entry in overrunning:
-            entry.lease_until = now + timedelta(seconds=entry.spec.lease_seconds)
+            entry.renew_at = clock + entry.lease / 2
             entity_lock_acquire(
                 key=entry.job.lock_key,
                 owner=str(entry.job.token),
-                ttl=entry.spec.lease_seconds,
+                ttl=entry.lease,
                 now=now,
             )
         if not due:
             return
         params = {"id": [], "token": [], "until": [], "reported": [], "done": [], "total": []}
-        for entry, until in due:
+        for entry in due:
             running = entry.running
             params["id"].append(entry.job.id)
             params["token"].append(entry.job.token)
-            params["until"].append(until)
+            params["until"].append(now + timedelta(seconds=entry.lease))
             params["reported"].append(running.reported)
             params["done"].append(running.done or 0)
             params["total"].append(-1 if running.total is None else running.total)
         params["now"] = now
         held = dict(RENEW_JOBS(params))  # the lease and the entity lock in one statement
-        for entry, until in due:
+        for entry in due:
             entry.last_progress = (entry.running.done, entry.running.total)
             if entry.job.id not in held:
                 logger.warning(
@@ -621,7 +622,7 @@ class JobWorker:
                            "job_type": entry.job.type},
                 )  # fmt: skip
                 continue
-            entry.lease_until = until
+            entry.renew_at = clock + entry.lease / 2
             if not held[entry.job.id] and not entry.lock_lost:
                 # The lock expired and another job took it: that job may be running on
                 # the entity now. Nothing can undo that; this job runs on (its function
