@@ -1203,8 +1203,9 @@ def markdown(result: dict) -> str:
 
 
 def cpu_per_job_us(runs: list[dict], key: str) -> float | None:
-    """The median over the repeats of a CPU figure of a jobs run, in µs per job."""
-    return median(r[key] * 1e6 / r["events"] for r in runs if r.get(key) is not None)
+    """The median over the repeats of a steady CPU figure of a jobs run (from the first
+    arrival on, ``common.measure``), in µs per job."""
+    return median([r[key] * 1e6 / r["steady_jobs"] for r in runs if r.get("steady_jobs")])
 
 
 def jobs_markdown(jb: dict, versions: dict) -> list[str]:
@@ -1235,8 +1236,8 @@ def jobs_markdown(jb: dict, versions: dict) -> list[str]:
     for name in names:
         runs = noop["runs"][name]
         cpu = (
-            cpu_per_job_us(runs, "worker_cpu_seconds"),
-            cpu_per_job_us(runs, "postgres_cpu_seconds"),
+            cpu_per_job_us(runs, "steady_worker_cpu_seconds"),
+            cpu_per_job_us(runs, "steady_postgres_cpu_seconds"),
         )
         label = f"**{name}**" if name == "service" else name
         lines.append(
@@ -1265,7 +1266,9 @@ def jobs_markdown(jb: dict, versions: dict) -> list[str]:
         "A no-op job stamps its slot in a file every worker maps (its finish time and a run "
         "count); a one-POST job sends the throughput scenario's signed 1 KiB POST, counted by "
         "the receiver. CPU: the workers' processes and the backends of the system's database "
-        "(none with a Redis broker), from the workers' start to the last arrival.",
+        "(none with a Redis broker), from the first look that found a job arrived to the "
+        "last arrival, over the jobs that arrived in between: the workers' start-up is left "
+        "out.",
         "",
     ]
     return lines

@@ -283,13 +283,19 @@ def measure(
             )
         deadline = started + args.timeout
         cpu = 0.0
+        # At the first look that finds a job arrived: (jobs arrived, workers' CPU, the
+        # backends' CPU), the start of the steady figures (start-up left out).
+        first = None
         while True:
             time.sleep(0.1)
             arrived = marks.done() if marks else progress()["distinct_webhook_ids"]
             if arrived >= n:
                 break
+            if first is None and arrived:
+                pids = {p.pid for p in procs}
+                first = (arrived, _tree_cpu(pids), database_backends_cpu(database))
             dead = [p.returncode for p in procs if p.poll() is not None]
-            if dead:  # a worker that stops once the queue is empty (the baseline)
+            if dead:  # a worker that stopped: every job may have arrived just before
                 arrived = marks.done() if marks else progress()["distinct_webhook_ids"]
                 if arrived >= n:
                     break
@@ -305,6 +311,9 @@ def measure(
         # connections close (a backend there before the workers counts from then on).
         pg1 = database_backends_cpu(database)
         postgres = sum(cpu - pg0.get(pid, 0.0) for pid, cpu in pg1.items())
+        if first is None:  # every job arrived before the first look
+            first = (0, 0.0, pg0)
+        steady_postgres = sum(cpu - first[2].get(pid, 0.0) for pid, cpu in pg1.items())
         counts = progress()
     finally:
         for p in procs:
@@ -337,6 +346,11 @@ def measure(
         # The database's backends from the workers' start to the last arrival (none for
         # a Redis broker; the WAL writer and other server processes are not counted).
         "postgres_cpu_seconds": round(postgres, 2),
+        # The same from the first look that found a job arrived: the jobs that arrived
+        # since and their CPU, without the workers' start-up.
+        "steady_jobs": n - first[0],
+        "steady_worker_cpu_seconds": round(cpu - first[1], 3),
+        "steady_postgres_cpu_seconds": round(steady_postgres, 3),
         "settings": settings,
     }
 
