@@ -1204,8 +1204,11 @@ def markdown(result: dict) -> str:
 
 def cpu_per_job_us(runs: list[dict], key: str) -> float | None:
     """The median over the repeats of a steady CPU figure of a jobs run (from the first
-    arrival on, ``common.measure``), in µs per job."""
-    return median([r[key] * 1e6 / r["steady_jobs"] for r in runs if r.get("steady_jobs")])
+    arrival on, ``common.measure``), in µs per job; None where no run has the figure
+    (results recorded before it was measured)."""
+    return median(
+        [r[key] * 1e6 / r["steady_jobs"] for r in runs if r.get("steady_jobs") and key in r]
+    )
 
 
 def jobs_markdown(jb: dict, versions: dict) -> list[str]:

@@ -48,7 +48,12 @@ def test_both_workloads_give_each_system_its_arguments():
 
 
 def _run(per_second: float) -> dict:
-    return {"per_second": per_second, "events": 1000, "worker_cpu_seconds": 0.5}
+    return {
+        "per_second": per_second,
+        "events": 1000,
+        "steady_jobs": 1000,
+        "steady_worker_cpu_seconds": 0.5,
+    }
 
 
 def test_the_scenario_runs_every_system_with_each_workload(monkeypatch):
