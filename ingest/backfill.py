@@ -129,13 +129,20 @@ class _Paced(PollAdapter):
 
 @dataclass
 class Segment:
-    """This process's share of a run, for the progress bar and the summary."""
+    """This process's share of a run, for the progress bar and the summary. The run's
+    figures from before it started are kept apart (``*_before``): the progress is those
+    plus ``counts``, whatever the run row says meanwhile (it is reloaded at the end,
+    already holding this segment's counts)."""
 
     run: BackfillRun
     started: float  # time.monotonic()
     counts: Counter
     active_before: float
     checkpoint: datetime | None = None
+    processed_before: int = 0
+    requests_before: int = 0
+    # Records in the window if the provider says: the run's, or the first page's.
+    total: int | None = None
 
     @property
     def elapsed(self) -> float:
@@ -169,7 +176,16 @@ def backfill_run_execute(
         finished_at=None,
     )
     run.refresh_from_db()
-    segment = Segment(run, time.monotonic(), Counter(), run.active_seconds, run.checkpoint_at)
+    segment = Segment(
+        run,
+        time.monotonic(),
+        Counter(),
+        run.active_seconds,
+        run.checkpoint_at,
+        processed_before=run.processed,
+        requests_before=run.requests,
+        total=run.total,
+    )
     adapter = _Paced(adapter_for(run.source), TokenBucket(run.rate), segment.counts)
     cursor = Cursor(run.checkpoint_at or run.since, frozenset(run.checkpoint_ids))
     logger.info(
@@ -207,7 +223,7 @@ def backfill_run_execute(
                     "heartbeat_at": timezone.now(),
                 }
                 if page.page.total is not None and run.total is None and not run.checkpoint_at:
-                    fields["total"] = page.page.total
+                    fields["total"] = segment.total = page.page.total
                 BackfillRun.objects.filter(id=run.id).update(**fields)
             requests_recorded += requests
             segment.checkpoint = page.cursor.at

@@ -14,6 +14,7 @@ class Progress:
 
     fraction: float  # 0..1 of the window (of the provider's total if it gave one)
     processed: int
+    total: int | None
     records_per_second: float
     requests_per_second: float
     eta_seconds: float | None  # None when not running or nothing to go on yet
@@ -27,17 +28,20 @@ def backfill_progress(
     requests: int | None = None,
     active_seconds: float | None = None,
     checkpoint: datetime | None = None,
+    total: int | None = None,
 ) -> Progress:
     """The run's progress; the keyword arguments override the stored figures (the
-    command passes its live ones between checkpoints)."""
+    command passes its live ones between checkpoints). The fraction is of the provider's
+    total when one is known, else of the window up to the checkpoint."""
+    total = run.total if total is None else total
     processed = run.processed if processed is None else processed
     requests = run.requests if requests is None else requests
     active = run.active_seconds if active_seconds is None else active_seconds
     checkpoint = checkpoint or run.checkpoint_at
     if run.state == BackfillState.COMPLETED:
         fraction = 1.0
-    elif run.total:
-        fraction = min(processed / run.total, 1.0)
+    elif total:
+        fraction = min(processed / total, 1.0)
     elif checkpoint is not None:
         window = (run.until - run.since).total_seconds()
         fraction = min(max((checkpoint - run.since).total_seconds() / window, 0.0), 1.0)
@@ -49,6 +53,7 @@ def backfill_progress(
     return Progress(
         fraction=fraction,
         processed=processed,
+        total=total,
         records_per_second=processed / active if active > 0 else 0.0,
         requests_per_second=requests / active if active > 0 else 0.0,
         eta_seconds=eta,
