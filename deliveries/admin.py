@@ -4,6 +4,7 @@ model; every action that changes anything declares its own permission (``permiss
 listed in docs/operations.md, "Admin permissions"."""
 
 import json
+import re
 from collections import Counter
 from datetime import timedelta
 
@@ -11,20 +12,23 @@ from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db import OperationalError, connection, transaction
-from django.db.models import Avg, Count, Max, Q
+from django.db.models import Count, Max, Q
 from django.http import HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.functional import cached_property
 from django.utils.html import format_html, format_html_join
+from django.utils.safestring import mark_safe
 from django_q import admin as q_admin  # registers django-q2's admins, replaced below
 from django_q.models import Failure, Success
 
-from . import services
+from . import charts as charts_module
+from . import overview, selectors, services
 from .jobs.admin import TenantFilter
 from .jobs.admin import uuid_or_none as _uuid
 from .jobs.confirm import Operation, Selection, confirm_operation
+from .jobs.console import EMPTY, ConsoleAdmin, duration, when
 from .jobs.models import LoopRun
 from .models import (
     ApiKey,
@@ -39,7 +43,13 @@ from .models import (
     OperationalEvent,
     Tenant,
 )
-from .selectors import delivery_explain
+from .selectors import (
+    answer_of,
+    dead_reason,
+    delivery_explain,
+    outcome_label,
+    outcome_sentence,
+)
 
 STATE_COLOURS = {
     DeliveryState.PENDING: "#b7791f",
@@ -48,6 +58,10 @@ STATE_COLOURS = {
     DeliveryState.SUCCEEDED: "#2f855a",
     DeliveryState.DEAD: "#c53030",
     "held": "#4a5568",
+    "running": "#2f855a",
+    "paused": "#b7791f",
+    "failing": "#c05621",
+    "disabled": "#c53030",
 }
 
 
@@ -123,7 +137,7 @@ class DeliveryLogPaginator(CappedCountPaginator):
         return self.filtered
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
+class ReadOnlyAdmin(ConsoleAdmin, admin.ModelAdmin):
     def has_add_permission(self, request):
         return False
 
@@ -191,17 +205,15 @@ class PausedFilter(admin.SimpleListFilter):
 # --- Deliveries ------------------------------------------------------------------------
 
 
-class AttemptInline(admin.TabularInline):
+class AttemptInline(ConsoleAdmin, admin.TabularInline):
     model = Attempt
     fields = [
         "number",
         "started_at",
         "duration_ms",
-        "status_code",
-        "outcome",
-        "error_kind",
-        "ambiguous",
-        "recorded",
+        "answer",
+        "result",
+        "flags",
         "response_excerpt",
     ]
     readonly_fields = fields
@@ -209,6 +221,7 @@ class AttemptInline(admin.TabularInline):
     can_delete = False
     ordering = ["number", "id"]
     verbose_name_plural = "attempt timeline"
+    classes = ["console-timeline"]
 
     def has_add_permission(self, request, obj=None):
         return False
@@ -216,10 +229,43 @@ class AttemptInline(admin.TabularInline):
     def has_change_permission(self, request, obj=None):
         return False
 
+    @admin.display(description="answer")
+    def answer(self, attempt):
+        return answer_of(attempt.status_code, "", attempt.error_kind)
+
+    @admin.display(description="outcome")
+    def result(self, attempt):
+        return outcome_label(attempt.outcome)
+
+    @admin.display(description="flags")
+    def flags(self, attempt):
+        shown = []
+        if attempt.ambiguous:
+            shown.append(
+                format_html(
+                    '<span class="warning-flag" title="{}">ambiguous</span>',
+                    "No answer after the request was sent: the receiver may have acted "
+                    "on it. The next copy carries the same webhook-id.",
+                )
+            )
+        if not attempt.recorded:
+            shown.append(
+                format_html(
+                    '<span class="quiet" title="{}">evidence only</span>',
+                    "Recorded after the worker had lost its lease: it changed nothing.",
+                )
+            )
+        return format_html_join(" ", "{}", ((f,) for f in shown)) if shown else ""
+
     @admin.display(description="response")
     def response_excerpt(self, attempt):
+        """What the receiver answered (or the error), as it came: evidence, shown as text."""
         text = attempt.error or attempt.response_body
-        return (text[:300] + "…") if len(text) > 300 else text
+        if not text:
+            return ""
+        return format_html(
+            '<pre class="response">{}</pre>', (text[:300] + "…") if len(text) > 300 else text
+        )
 
 
 @admin.register(Delivery)
@@ -230,10 +276,9 @@ class DeliveryAdmin(ReadOnlyAdmin):
         "tenant",
         "endpoint_url",
         "event_type",
-        "attempt_count",
-        "next_attempt_at",
-        "last_status_code",
-        "last_outcome",
+        "tries",
+        "next_attempt",
+        "last_result",
         "created_at",
     ]
     list_filter = [
@@ -267,12 +312,10 @@ class DeliveryAdmin(ReadOnlyAdmin):
         "policy_attempts",
         "dispatch_count",
         "lease_expiries",
-        "next_attempt_at",
+        "next_attempt",
         "enqueued_at",
         "lease_until",
-        "last_outcome",
-        "last_status_code",
-        "last_error",
+        "last_answer",
         "last_attempt_at",
         "created_at",
         "finished_at",
@@ -290,7 +333,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
             {
                 "fields": [
                     "created_at",
-                    "next_attempt_at",
+                    "next_attempt",
                     "enqueued_at",
                     "lease_until",
                     "last_attempt_at",
@@ -298,7 +341,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
                 ]
             },
         ),
-        ("Last outcome", {"fields": ["last_outcome", "last_status_code", "last_error"]}),
+        ("Last attempt", {"fields": ["last_answer"]}),
         ("What was sent", {"fields": ["headers_sent", "event_body"]}),
     ]
     change_form_template = "admin/deliveries/delivery/change_form.html"
@@ -335,11 +378,48 @@ class DeliveryAdmin(ReadOnlyAdmin):
 
     @admin.display(description="endpoint")
     def endpoint_url(self, d):
-        return d.endpoint.url
+        """Its host, then its path: endpoints of one receiver differ by their paths."""
+        url = d.endpoint.url
+        rest = url.partition("://")[2] or url
+        host, slash, path = rest.partition("/")
+        return format_html(
+            '<span class="cut" title="{}">{}</span><span class="sub cut">{}</span>',
+            url,
+            host or url,
+            slash + path,
+        )
 
     @admin.display(description="event type")
     def event_type(self, d):
-        return d.event.event_type
+        # A long dotted name may break after its dots, never inside a word.
+        return format_html_join(
+            mark_safe("<wbr>"), "{}", ((p,) for p in re.split(r"(?<=\.)", d.event.event_type))
+        )
+
+    @admin.display(description="tries", ordering="attempt_count")
+    def tries(self, d):
+        return d.attempt_count
+
+    @admin.display(description="next attempt", ordering="next_attempt_at")
+    def next_attempt(self, d):
+        if d.state != DeliveryState.PENDING:
+            return EMPTY
+        return when(d.next_attempt_at)
+
+    @admin.display(description="last result")
+    def last_result(self, d):
+        return selectors.last_result(d) or EMPTY
+
+    @admin.display(description="what happened")
+    def last_answer(self, d):
+        if not d.last_outcome:
+            return "No attempt yet."
+        if d.state == DeliveryState.DEAD:
+            return dead_reason(d)
+        if d.last_outcome == "success":
+            return f"Delivered: the receiver answered HTTP {d.last_status_code}."
+        answer = answer_of(d.last_status_code, d.last_error)
+        return f"The last attempt got {answer}: {outcome_sentence(d.last_outcome)}."
 
     @admin.display(description="where it stands")
     def where_it_stands(self, d):
@@ -412,6 +492,11 @@ class DeliveryAdmin(ReadOnlyAdmin):
     def get_urls(self):
         return [
             path(
+                "overview/",
+                self.admin_site.admin_view(self.overview_view),
+                name="deliveries_overview",
+            ),
+            path(
                 "dead-letters/",
                 self.admin_site.admin_view(self.dead_letters_view),
                 name="deliveries_delivery_dead_letters",
@@ -443,6 +528,24 @@ class DeliveryAdmin(ReadOnlyAdmin):
         context["has_replay_permission"] = self.has_replay_permission(request)
         return super().render_change_form(request, context, *args, **kwargs)
 
+    def overview_view(self, request):
+        """Is anything wrong, where, since when: the last 24 hours at a glance, worst
+        endpoints first, each figure linking into the log it sums up
+        (deliveries.overview)."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        return TemplateResponse(
+            request,
+            "admin/deliveries/overview.html",
+            {
+                **self.admin_site.each_context(request),
+                **overview_context(),
+                "title": "Overview",
+                "opts": self.model._meta,
+                "app_list": self.admin_site.get_app_list(request),
+            },
+        )
+
     def dead_letters_view(self, request):
         """Dead deliveries grouped by endpoint and reason, largest groups first."""
         if not self.has_view_permission(request):
@@ -466,6 +569,9 @@ class DeliveryAdmin(ReadOnlyAdmin):
                 "tenant__name": endpoints[g["endpoint_id"]].tenant.name,
                 "link": f"{changelist}?state=dead&endpoint={g['endpoint_id']}"
                 f"&last_outcome={g['last_outcome']}",
+                "reason": outcome_label(g["last_outcome"]),
+                "explanation": outcome_sentence(g["last_outcome"]),
+                "latest_shown": when(g["latest"]),
             }
             for g in groups
         ]
@@ -476,6 +582,92 @@ class DeliveryAdmin(ReadOnlyAdmin):
             "opts": self.model._meta,
         }
         return TemplateResponse(request, "admin/deliveries/dead_letters.html", context)
+
+
+def overview_context(now=None) -> dict:
+    """What the overview page shows (its template: admin/deliveries/overview.html)."""
+    now = now or timezone.now()
+    log = reverse("admin:deliveries_delivery_changelist")
+    minutes = overview.attempts_by_minute(now)
+    charts = [
+        {
+            "name": name,
+            "title": title,
+            "total": minutes.total(name),
+            "svg": charts_module.bar_chart(
+                minutes.series[name],
+                start=minutes.start,
+                step=timedelta(minutes=1),
+                title=f"{title}, attempts per minute",
+                unit="per minute",
+                bins=288,
+                css_class=f"series-{name}",
+                chart_id=f"chart-{name}",
+            ),
+            "by_hour": [sum(minutes.series[name][h * 60 : (h + 1) * 60]) for h in range(24)],
+        }
+        for name, title, _ in overview.SERIES
+    ]
+    attempts = sum(c["total"] for c in charts)
+    delivered = minutes.total("delivered")
+    dead = overview.dead_letters(now)
+    queue = overview.queue(now)
+    loops = overview.loops(now)
+    endpoints = overview.endpoint_health(now)
+    hours = [dead.hours_start + timedelta(hours=h) for h in range(24)]
+    return {
+        "now": now,
+        "charts": charts,
+        "hours": [
+            {"at": timezone.localtime(h), **{c["name"]: c["by_hour"][i] for c in charts}}
+            for i, h in enumerate(minutes.start + timedelta(hours=k) for k in range(24))
+        ],
+        "attempts": attempts,
+        "success_rate": delivered / attempts if attempts else None,
+        "dead": dead,
+        "dead_reasons": [
+            {
+                "label": outcome_label(outcome),
+                "sentence": outcome_sentence(outcome),
+                "count": n,
+                "link": f"{log}?state=dead&last_outcome={outcome}",
+            }
+            for outcome, n in dead.by_reason
+        ],
+        "dead_chart": charts_module.bar_chart(
+            dead.by_hour,
+            start=dead.hours_start,
+            step=timedelta(hours=1),
+            title="Deliveries that went dead, per hour",
+            unit="per hour",
+            css_class="series-dead",
+            chart_id="chart-dead",
+        ),
+        "dead_24h": sum(dead.by_hour),
+        "dead_hours": list(zip(hours, dead.by_hour, strict=True)),
+        "queue": queue,
+        "oldest_due": duration(queue.oldest_due_seconds) if queue.oldest_due_seconds else "none",
+        "relay_lag": duration(queue.relay_lag_seconds) if queue.relay_lag_seconds else "none",
+        "loops": loops,
+        "loops_down": [
+            loop.kind for loop in loops if loop.kind in REQUIRED_LOOPS and not loop.alive
+        ],
+        "endpoints": [
+            {
+                "health": h,
+                "log": f"{log}?endpoint={h.endpoint.id}",
+                "dead_link": f"{log}?state=dead&endpoint={h.endpoint.id}",
+                "page": reverse("admin:deliveries_endpoint_change", args=[h.endpoint.id]),
+            }
+            for h in endpoints
+        ],
+        "panels": overview.panels(now),
+        "log": log,
+    }
+
+
+# The loops the outbound pipeline needs; the others (poll, jobs) run where they are used.
+REQUIRED_LOOPS = ("scheduler", "relay", "workers")
 
 
 def _pretty_body(body) -> str:
@@ -493,16 +685,14 @@ def _pretty_body(body) -> str:
 
 
 @admin.register(Endpoint)
-class EndpointAdmin(admin.ModelAdmin):
+class EndpointAdmin(ConsoleAdmin, admin.ModelAdmin):
     list_display = [
         "url",
         "tenant",
-        "enabled",
-        "paused_at",
+        "status",
         "success_rate_24h",
-        "mean_latency_24h",
+        "latency_24h",
         "failing_since",
-        "disabled_reason",
         "deliveries_link",
     ]
     list_filter = ["enabled", PausedFilter, TenantFilter]
@@ -536,32 +726,49 @@ class EndpointAdmin(admin.ModelAdmin):
 
     def get_changelist_instance(self, request):
         changelist = super().get_changelist_instance(request)
-        # Health over the last 24 h for the endpoints on this page only: one query.
-        ids = [e.id for e in changelist.result_list]
-        since = timezone.now() - timedelta(hours=24)
-        stats = {
-            row["endpoint_id"]: row
-            for row in Attempt.objects.filter(endpoint_id__in=ids, started_at__gte=since)
-            .values("endpoint_id")
-            .annotate(
-                total=Count("id"),
-                ok=Count("id", filter=Q(outcome="success")),
-                latency=Avg("duration_ms"),
-            )
-        }
-        for endpoint in changelist.result_list:
-            endpoint.health = stats.get(endpoint.id)
+        # Health over the last 24 h for the endpoints on this page only, from the tallies
+        # the overview reads too (deliveries.overview): one query.
+        endpoints = changelist.result_list
+        tallies = overview.endpoint_tallies(timezone.now(), [e.id for e in endpoints])
+        for endpoint in endpoints:
+            endpoint.health = overview.health_of(endpoint, tallies)
         return changelist
 
-    @admin.display(description="success 24 h")
+    @admin.display(description="status")
+    def status(self, endpoint):
+        """Disabled, paused or running, with since when and why."""
+        if not endpoint.enabled:
+            return format_html(
+                "{}<span class='sub'>{}</span><span class='sub'>since {}</span>",
+                state_badge("disabled"),
+                endpoint.disabled_reason or "no reason given",
+                when(endpoint.disabled_at),
+            )
+        if endpoint.paused_at is not None:
+            return format_html(
+                "{}<span class='sub'>{}: its deliveries are held</span>"
+                "<span class='sub'>since {}</span>",
+                state_badge("paused"),
+                endpoint.paused_reason or "paused",
+                when(endpoint.paused_at),
+            )
+        if endpoint.failing_since is not None:
+            return state_badge("failing")
+        return state_badge("running")
+
+    @admin.display(description="delivered 24 h")
     def success_rate_24h(self, endpoint):
         h = getattr(endpoint, "health", None)
-        return f"{100 * h['ok'] / h['total']:.1f}% of {h['total']}" if h else "—"
+        if h is None or not h.attempts:
+            return EMPTY
+        return f"{100 * h.success_rate:.1f}% of {h.attempts:,}"
 
-    @admin.display(description="mean latency 24 h")
-    def mean_latency_24h(self, endpoint):
+    @admin.display(description="p50 / p95 24 h")
+    def latency_24h(self, endpoint):
         h = getattr(endpoint, "health", None)
-        return f"{h['latency']:.0f} ms" if h else "—"
+        if h is None or not h.attempts:
+            return EMPTY
+        return f"{h.p50} / {h.p95}"
 
     @admin.display(description="deliveries")
     def deliveries_link(self, endpoint):
@@ -630,7 +837,7 @@ class EndpointAdmin(admin.ModelAdmin):
 
 
 @admin.register(Tenant)
-class TenantAdmin(admin.ModelAdmin):
+class TenantAdmin(ConsoleAdmin, admin.ModelAdmin):
     list_display = ["name", "id", "external_id", "time_zone", "created_at"]
     search_fields = ["name", "=external_id"]
     actions = ["create_api_key"]
@@ -648,7 +855,7 @@ class TenantAdmin(admin.ModelAdmin):
 
 
 @admin.register(EgressAllowance)
-class EgressAllowanceAdmin(admin.ModelAdmin):
+class EgressAllowanceAdmin(ConsoleAdmin, admin.ModelAdmin):
     """Networks opened for one tenant (or endpoint) past the egress guard. Adding,
     changing and deleting need their own model permissions, and each is audited."""
 
@@ -698,7 +905,7 @@ class ApiKeyAdmin(ReadOnlyAdmin):
 
 
 @admin.register(EventType)
-class EventTypeAdmin(admin.ModelAdmin):
+class EventTypeAdmin(ConsoleAdmin, admin.ModelAdmin):
     list_display = ["name", "owner", "replay_safe", "description"]
     list_editable = ["replay_safe"]
     search_fields = ["name", "owner"]

@@ -4,6 +4,7 @@ from django import forms
 from django.contrib import admin, messages
 
 from deliveries.admin import CappedCountPaginator, ReadOnlyAdmin
+from deliveries.jobs.console import ConsoleAdmin
 
 from . import processing
 from .models import BackfillRun, HandlerRun, InboundEvent, PollSource, Source, VerificationFailure
@@ -11,7 +12,7 @@ from .selectors import backfill_progress
 
 
 @admin.register(Source)
-class SourceAdmin(admin.ModelAdmin):
+class SourceAdmin(ConsoleAdmin, admin.ModelAdmin):
     list_display = ["slug", "scheme", "enabled", "replay_tolerance", "max_body_bytes", "rate_limit"]
     list_filter = ["scheme", "enabled"]
     search_fields = ["slug"]
@@ -27,8 +28,9 @@ class SourceAdmin(admin.ModelAdmin):
     ]
 
 
-class HandlerRunInline(admin.TabularInline):
+class HandlerRunInline(ConsoleAdmin, admin.TabularInline):
     model = HandlerRun
+    classes = ["console-timeline"]
     fields = ["attempt", "handler", "started_at", "duration_ms", "outcome", "error"]
     readonly_fields = fields
     extra = 0
@@ -106,7 +108,7 @@ class PollSourceForm(forms.ModelForm):
 
 
 @admin.register(PollSource)
-class PollSourceAdmin(admin.ModelAdmin):
+class PollSourceAdmin(ConsoleAdmin, admin.ModelAdmin):
     form = PollSourceForm
     list_display = ["__str__", "tenant", "enabled", "every_minutes", "cursor_at", "last_poll_at"]
     list_filter = ["enabled"]

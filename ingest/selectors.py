@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from .models import BackfillRun, BackfillState
 
@@ -59,3 +59,87 @@ def backfill_progress(
         eta_seconds=eta,
         checkpoint=checkpoint,
     )
+
+
+# --- The console's overview ---------------------------------------------------------------
+
+# Why a request was refused (VerificationFailure.reason), as the console says it.
+REFUSALS = {
+    "missing_signature": "no signature header",
+    "malformed_signature": "a signature header that does not parse",
+    "bad_signature": "a signature that matches no live secret",
+    "missing_timestamp": "no signed timestamp",
+    "stale_timestamp": "a signed timestamp older than the replay window",
+    "future_timestamp": "a signed timestamp too far in the future",
+    "no_secret": "the source has no live secret to check with",
+    "bad_header": "a header the service cannot store (NUL, a lone surrogate)",
+    "content_type": "a content type the source does not take",
+    "content_encoding": "a compressed or otherwise encoded body",
+    "incomplete_body": "a body shorter than its Content-Length",
+    "bad_framing": "a body whose length and framing disagree",
+    "too_large": "a body over the source's size limit",
+}
+
+
+def refusal_text(reason: str) -> str:
+    """``bad_signature`` as "a signature that matches no live secret"."""
+    if reason in REFUSALS:
+        return REFUSALS[reason]
+    if reason.startswith("unparseable_"):
+        detail = reason.removeprefix("unparseable_").replace("_", " ")
+        return f"an authentic body that cannot be used ({detail})"
+    return reason.replace("_", " ")
+
+
+# Counts of received events past this are shown as "at least": a source receiving
+# millions a day would otherwise cost the page a count of all of them.
+RECEIPTS_CAP = 100_000
+
+
+def inbound_overview(now: datetime) -> dict:
+    """The overview's inbound section (deliveries.overview.register_panel): per source,
+    events received in the last 24 hours (inbound_source_received, capped), duplicates
+    among them, and refusals (VerificationFailure: one row per source and reason, with
+    its latest time); events waiting and dead (their partial indexes)."""
+    from django.db.models import Count, Sum
+
+    from .models import InboundEvent, InboundState, Source, VerificationFailure
+
+    since = now - timedelta(hours=24)
+    sources = []
+    for source in Source.objects.order_by("slug")[:50]:
+        recent = InboundEvent.objects.filter(source=source, received_at__gte=since)
+        received = recent.order_by()[: RECEIPTS_CAP + 1].count()
+        sources.append(
+            {
+                "source": source,
+                "received": received,
+                "capped": received > RECEIPTS_CAP,
+                "refusals": [
+                    {"count": f.count, "text": refusal_text(f.reason), "last_at": f.last_at}
+                    for f in VerificationFailure.objects.filter(source=source).order_by("-last_at")
+                ],
+            }
+        )
+    waiting = dict(
+        InboundEvent.objects.filter(
+            state__in=[InboundState.PENDING, InboundState.ENQUEUED, InboundState.PROCESSING]
+        )
+        .values_list("state")
+        .annotate(n=Count("pk"))
+        .order_by()
+    )
+    refused_24h = (
+        VerificationFailure.objects.filter(last_at__gte=since).aggregate(n=Sum("count"))["n"] or 0
+    )
+    return {
+        "template": "admin/ingest/overview_inbound.html",
+        "title": "Inbound webhooks",
+        "sources": sources,
+        "waiting": sum(waiting.values()),
+        "refusing_sources": VerificationFailure.objects.filter(last_at__gte=since)
+        .values("source")
+        .distinct()
+        .count(),
+        "refused_recently": refused_24h,
+    }

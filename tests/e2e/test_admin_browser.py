@@ -11,70 +11,20 @@ browser download is never used. A screenshot of each step is saved under
 """
 
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 from django.contrib.auth import get_user_model
-from playwright.sync_api import Page, sync_playwright
 
 from deliveries import services
 from deliveries.models import Attempt, AuditEntry, Delivery, EventType
-from tests.conftest import drain, in_thread
+from tests.conftest import drain
+from tests.e2e.browser import chromium_page, drain_in_a_thread, screenshots
 from tests.receiver import always, fail_first
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--no-sandbox",  # the suite runs as root, where Chromium's sandbox cannot start
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-SCREENSHOTS = Path(__file__).resolve().parents[2] / "test-output" / "admin-browser"
 PASSWORD = "correct-horse-battery-staple"
-TIMEOUT_MS = 10_000
+shot = screenshots("admin-browser")
 
 pytestmark = pytest.mark.slow
-
-
-@contextmanager
-def chromium_page() -> Iterator[Page]:
-    """A page in headless Debian Chromium. Playwright's sync API runs an event loop in
-    this thread while it is open, so Django refuses ORM calls here until it closes: set
-    up the data first and touch the database from another thread meanwhile."""
-    if not CHROMIUM.exists():
-        pytest.fail(
-            f"{CHROMIUM} is missing: this test drives Debian's chromium package "
-            "(apt-get install -y chromium); `make test` installs it."
-        )
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
-        )
-        page = browser.new_page(viewport={"width": 1700, "height": 1000})
-        page.set_default_timeout(TIMEOUT_MS)
-        yield page
-        browser.close()
-
-
-def drain_in_a_thread() -> None:
-    """``drain()`` while the browser is open: the ORM and ``asyncio.run`` both refuse to
-    run beside the Playwright sync API's event loop in this thread."""
-    errors: list[BaseException] = []  # re-raised in the test's thread
-    thread = in_thread(drain, errors)
-    thread.join(30)
-    assert not thread.is_alive(), "the pipeline did not drain within 30 s"
-    if errors:
-        raise errors[0]
-
-
-def shot(page: Page, name: str) -> None:
-    page.screenshot(path=SCREENSHOTS / f"{name}.png", full_page=True)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -133,7 +83,9 @@ def test_an_operator_replays_a_failed_delivery_and_sees_the_new_attempt(
         page.wait_for_url(re.compile(r"event_type=invoice\.paid"))
         assert "state__exact=pending" in page.url
         assert rows.count() == 1
-        assert rows.first.locator("td.field-endpoint_url").inner_text() == receiver.url("/flaky")
+        endpoint = rows.first.locator("td.field-endpoint_url")
+        assert endpoint.inner_text().split() == ["127.0.0.1:" + str(receiver.port), "/flaky"]
+        assert endpoint.locator("span[title]").get_attribute("title") == receiver.url("/flaky")
         assert rows.first.locator("td.field-badge").inner_text() == "pending"
         shot(page, "03-filtered-to-the-pending-delivery")
 
@@ -142,10 +94,10 @@ def test_an_operator_replays_a_failed_delivery_and_sees_the_new_attempt(
         page.wait_for_url(re.compile("^" + re.escape(detail)))
         where = page.locator(".field-where_it_stands .readonly")
         assert where.inner_text().startswith("Waiting by policy until")
-        assert "after retry (HTTP 500)" in where.inner_text()
+        assert "after HTTP 500 (failed, retried)" in where.inner_text()
         timeline = page.locator("#attempts-group tbody tr.form-row")
         assert timeline.count() == 1
-        assert timeline.nth(0).locator("td.field-status_code").inner_text() == "500"
+        assert timeline.nth(0).locator("td.field-answer").inner_text() == "HTTP 500"
         shot(page, "04-delivery-failed-once")
 
         # The Replay button asks first, as the bulk action does: invoice.paid is not
@@ -165,11 +117,11 @@ def test_an_operator_replays_a_failed_delivery_and_sees_the_new_attempt(
         assert where.inner_text().startswith("Succeeded at")
         assert "with HTTP 200 after 2 attempt(s)" in where.inner_text()
         assert timeline.count() == 2
-        assert [timeline.nth(i).locator("td.field-status_code").inner_text() for i in (0, 1)] == [
-            "500",
-            "200",
+        assert [timeline.nth(i).locator("td.field-answer").inner_text() for i in (0, 1)] == [
+            "HTTP 500",
+            "HTTP 200",
         ]
-        assert timeline.nth(1).locator("td.field-outcome").inner_text() == "Success"
+        assert timeline.nth(1).locator("td.field-result").inner_text() == "delivered"
         shot(page, "07-new-attempt-in-the-timeline")
 
     # The browser's view matches the database, the replay is audited under the operator's
