@@ -9,6 +9,7 @@ from collections import Counter
 from datetime import timedelta
 
 from django.contrib import admin, messages
+from django.contrib.admin.options import IncorrectLookupParameters
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db import OperationalError, connection, transaction
@@ -17,6 +18,7 @@ from django.http import HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 from django.utils.functional import cached_property
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
@@ -24,7 +26,7 @@ from django_q import admin as q_admin  # registers django-q2's admins, replaced 
 from django_q.models import Failure, Success
 
 from . import charts as charts_module
-from . import overview, selectors, services
+from . import overview, queries, selectors, services
 from .jobs.admin import TenantFilter
 from .jobs.admin import uuid_or_none as _uuid
 from .jobs.confirm import Operation, Selection, confirm_operation
@@ -64,6 +66,9 @@ STATE_COLOURS = {
     "disabled": "#c53030",
 }
 
+
+# Deliveries one replay by filter takes at most (the API's bulk recovery's ceiling too).
+REPLAY_MATCHING_MAX = services.RECOVER_MAX_ROWS
 
 DELIVERY_OPERATIONS = {
     "replay": Operation(
@@ -156,17 +161,92 @@ class DeliveryTenantFilter(TenantFilter):
     field = "listing__tenant_id"
 
 
-class EndpointFilter(admin.SimpleListFilter):
-    """Set by the links on the endpoint and dead-letter pages; lists only the endpoint
-    chosen, so the filter never loads every endpoint."""
+class SearchableFilter(admin.SimpleListFilter):
+    """A filter that is always there and stays small at any size: a bounded list of
+    choices (``SHOWN``, and the one chosen), and a search box above it for the others
+    (``<parameter>_q``, matched by ``search``), which narrows the list without filtering
+    the rows until a choice is clicked."""
+
+    SHOWN = 30
+    template = "admin/deliveries/searchable_filter.html"
+    placeholder = ""
+
+    @property
+    def search_parameter(self) -> str:
+        return f"{self.parameter_name}_q"
+
+    def __init__(self, request, params, model, model_admin):
+        raw = params.get(self.search_parameter)
+        term = raw[-1] if isinstance(raw, list) else raw
+        self.term = (term or "").strip()[:200]
+        super().__init__(request, params, model, model_admin)
+        # Consumed here: the changelist must not read it as a lookup of its own.
+        params.pop(self.search_parameter, None)
+
+    def expected_parameters(self):
+        return [self.parameter_name, self.search_parameter]
+
+    def has_output(self):
+        return True  # the search box, even before there is anything to list
+
+    def lookups(self, request, model_admin):
+        return list(self.search(self.term)[: self.SHOWN]) if self.term else self.first()
+
+    def first(self) -> list[tuple[str, str]]:
+        raise NotImplementedError
+
+    def search(self, term: str):
+        raise NotImplementedError
+
+    def choices(self, changelist):
+        # The search form keeps every other parameter of the page as it is.
+        self.hidden = [
+            (k, v)
+            for k, values in changelist.params.items()
+            if k not in (self.parameter_name, self.search_parameter)
+            for v in (values if isinstance(values, list) else [values])
+        ]
+        chosen = self.value()
+        listed = {str(value) for value, _ in self.lookup_choices}
+        if chosen and chosen not in listed:
+            label = self.label_of(chosen)
+            if label:
+                self.lookup_choices = [(chosen, label), *self.lookup_choices]
+        yield from super().choices(changelist)
+
+    def label_of(self, value: str) -> str | None:
+        return None
+
+
+class EndpointFilter(SearchableFilter):
+    """The endpoints by URL: the first ones, or those whose URL holds the search term
+    (or whose id it is); the overview's, endpoint list's and dead letters' links set it.
+    The endpoint table is small beside the deliveries: a search reads it, never them."""
 
     title = "endpoint"
     parameter_name = "endpoint"
+    placeholder = "part of its URL, or its id"
 
-    def lookups(self, request, model_admin):
-        value = _uuid(self.value())
-        endpoint = Endpoint.objects.filter(id=value).first() if value else None
-        return [(str(endpoint.id), endpoint.url)] if endpoint else []
+    def first(self):
+        return [
+            (str(i), url)
+            for i, url in Endpoint.objects.order_by("url").values_list("id", "url")[: self.SHOWN]
+        ]
+
+    def search(self, term):
+        as_uuid = _uuid(term)
+        found = Endpoint.objects.filter(
+            Q(url__icontains=term) | Q(id=as_uuid) if as_uuid else Q(url__icontains=term)
+        )
+        return [(str(i), url) for i, url in found.order_by("url").values_list("id", "url")]
+
+    def label_of(self, value):
+        value = _uuid(value)
+        return (
+            Endpoint.objects.filter(id=value).values_list("url", flat=True).first()
+            if value
+            else None
+        )
 
     def queryset(self, request, queryset):
         # Both copies of the endpoint: the listing's indexes give the order, and the
@@ -178,15 +258,53 @@ class EndpointFilter(admin.SimpleListFilter):
         return queryset.filter(listing__endpoint_id=value, endpoint_id=value)
 
 
-class EventTypeFilter(admin.SimpleListFilter):
+class EventTypeFilter(SearchableFilter):
+    """The event types in the catalogue and those published (a skip scan of the event
+    table's type index, queries.EVENT_TYPES_SEEN: one probe per type, not per event)."""
+
     title = "event type"
     parameter_name = "event_type"
+    placeholder = "part of its name"
 
-    def lookups(self, request, model_admin):
-        return [(t, t) for t in EventType.objects.order_by("name").values_list("name", flat=True)]
+    def first(self):
+        return [(t, t) for t in self.known()[: self.SHOWN]]
+
+    def search(self, term):
+        return [(t, t) for t in self.known() if term.lower() in t.lower()]
+
+    def known(self) -> list[str]:
+        seen = {t for (t,) in queries.EVENT_TYPES_SEEN({"most": 500})}
+        return sorted(seen | set(EventType.objects.values_list("name", flat=True)[:500]))
+
+    def label_of(self, value):
+        return value
 
     def queryset(self, request, queryset):
         return queryset.filter(event__event_type=self.value()) if self.value() else queryset
+
+
+class FinishedSinceFilter(admin.SimpleListFilter):
+    """When a delivery ended (succeeded or went dead): "replay every dead delivery of
+    endpoint E of the last day". With the state dead and an endpoint, the partial index
+    delivery_dead (endpoint, finished_at) answers it."""
+
+    title = "ended"
+    parameter_name = "ended"
+    WINDOWS = {
+        "1h": ("in the last hour", 1),
+        "24h": ("in the last 24 hours", 24),
+        "7d": ("in the last 7 days", 24 * 7),
+        "14d": ("in the last 14 days", 24 * 14),
+    }
+
+    def lookups(self, request, model_admin):
+        return [(key, label) for key, (label, _) in self.WINDOWS.items()]
+
+    def queryset(self, request, queryset):
+        window = self.WINDOWS.get(self.value())
+        if window is None:
+            return queryset
+        return queryset.filter(finished_at__gte=timezone.now() - timedelta(hours=window[1]))
 
 
 class PausedFilter(admin.SimpleListFilter):
@@ -287,6 +405,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
         EndpointFilter,
         EventTypeFilter,
         "last_outcome",
+        FinishedSinceFilter,
         # The listing's copy of the creation time, which listing_created ranges over.
         ("listing__created_at", admin.DateFieldListFilter),
     ]
@@ -294,6 +413,8 @@ class DeliveryAdmin(ReadOnlyAdmin):
     search_fields = ["event__entity_id"]  # ids are matched exactly in get_search_results
     list_select_related = ["endpoint", "tenant", "event"]
     show_full_result_count = False
+    # Counting every filter choice's rows ("Show counts") reads the whole table.
+    show_facets = admin.ShowFacets.NEVER
     paginator = DeliveryLogPaginator
     list_per_page = 50
     # The listing's creation time: its indexes give this order, in all and under the
@@ -506,6 +627,11 @@ class DeliveryAdmin(ReadOnlyAdmin):
                 self.admin_site.admin_view(self.replay_one),
                 name="deliveries_delivery_replay",
             ),
+            path(
+                "replay-matching/",
+                self.admin_site.admin_view(self.replay_matching),
+                name="deliveries_delivery_replay_matching",
+            ),
             *super().get_urls(),
         ]
 
@@ -523,6 +649,89 @@ class DeliveryAdmin(ReadOnlyAdmin):
             return HttpResponseRedirect(page)
         delivery = Delivery.objects.filter(id=delivery_id)
         return self._confirm(request, delivery, "replay", back=page) or HttpResponseRedirect(page)
+
+    def replay_matching(self, request):
+        """Replay every delivery the log shows under its current filters (the query
+        string it was opened with), not only a selection: "every dead delivery of
+        endpoint E that ended in the last 24 hours". The same confirmation as the action
+        (count, event types, the replay-safe rule), at most REPLAY_MATCHING_MAX at a
+        time. The confirming form carries the moment it was shown: rows that changed
+        since (replayed by someone else, say) are left out."""
+        log = reverse("admin:deliveries_delivery_changelist")
+        query = request.GET.urlencode()
+        back = f"{log}?{query}" if query else log
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        if not self.has_replay_permission(request):
+            self.message_user(
+                request, "You may view deliveries but not replay them.", messages.ERROR
+            )
+            return HttpResponseRedirect(back)
+        try:
+            changelist = self.get_changelist_instance(request)
+        except IncorrectLookupParameters:
+            return HttpResponseRedirect(f"{log}?e=1")
+        described = [
+            (spec.title, choice["display"])
+            for spec in changelist.filter_specs
+            for choice in spec.choices(changelist)
+            if choice["selected"] and spec.used_parameters
+        ]
+        if changelist.query:
+            described.append(("search", changelist.query))
+        if not described:
+            self.message_user(
+                request,
+                "Filter the log first: replaying everything is not offered.",
+                messages.ERROR,
+            )
+            return HttpResponseRedirect(back)
+        shown_at = (
+            parse_datetime(request.POST.get("shown_at", "")) if request.method == "POST" else None
+        )
+        matching = changelist.get_queryset(request)
+        if shown_at is not None:
+            matching = matching.filter(updated_at__lte=shown_at)
+        ids = list(matching.values_list("id", flat=True)[: REPLAY_MATCHING_MAX + 1])
+        matched = len(ids)  # REPLAY_MATCHING_MAX + 1: more than one replay takes
+        ids = ids[:REPLAY_MATCHING_MAX]
+        rows = Delivery.objects.filter(id__in=ids)
+        types = Counter(rows.values_list("event__event_type", flat=True))
+        known = EventType.objects.filter(name__in=types)
+        selection = Selection(
+            ids=ids,
+            types=types,
+            safe=set(known.filter(replay_safe=True).values_list("name", flat=True)),
+            owners=dict(known.values_list("name", "owner")),
+            described=described,
+            matched=matched,
+            states=Counter(rows.values_list("state", flat=True)),
+            carried={"shown_at": (shown_at or timezone.now()).isoformat()},
+        )
+        if not ids:
+            self.message_user(request, "No delivery matches these filters.", messages.WARNING)
+            return HttpResponseRedirect(back)
+        done = confirm_operation(
+            self,
+            request,
+            DELIVERY_OPERATIONS["replay"],
+            selection,
+            run=lambda ids: services.delivery_replay(
+                delivery_ids=ids, actor=request.user, via="admin, by filter"
+            ),
+            back=back,
+        )
+        return done or HttpResponseRedirect(back)
+
+    def changelist_view(self, request, extra_context=None):
+        query = request.GET.urlencode()
+        extra = {
+            "replay_matching_url": reverse("admin:deliveries_delivery_replay_matching")
+            + (f"?{query}" if query else ""),
+            "can_replay_matching": bool(query) and self.has_replay_permission(request),
+            **(extra_context or {}),
+        }
+        return super().changelist_view(request, extra)
 
     def render_change_form(self, request, context, *args, **kwargs):
         context["has_replay_permission"] = self.has_replay_permission(request)
