@@ -2,13 +2,14 @@
 
 from django import forms
 from django.contrib import admin, messages
+from django.utils.html import format_html, format_html_join
 
 from deliveries.admin import CappedCountPaginator, ReadOnlyAdmin
 from deliveries.jobs.console import ConsoleAdmin
 
 from . import processing
 from .models import BackfillRun, HandlerRun, InboundEvent, PollSource, Source, VerificationFailure
-from .selectors import backfill_progress
+from .selectors import backfill_progress, body_shown, headers_shown
 
 
 @admin.register(Source)
@@ -25,6 +26,7 @@ class SourceAdmin(ConsoleAdmin, admin.ModelAdmin):
         "max_body_bytes",
         "content_types",
         "rate_limit",
+        "redact_keys",
     ]
 
 
@@ -55,11 +57,48 @@ class InboundEventAdmin(ReadOnlyAdmin):
     list_filter = ["state", "source"]
     search_fields = ["=event_id", "=entity_id"]
     show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER
     paginator = CappedCountPaginator
     ordering = ["-received_at"]
     inlines = [HandlerRunInline]
     actions = ["reprocess"]
-    exclude = ["body"]
+    fields = [
+        "id",
+        "source",
+        "event_id",
+        "event_type",
+        "entity_id",
+        "state",
+        "occurred_at",
+        "received_at",
+        "duplicates",
+        "last_duplicate_at",
+        "attempt_count",
+        "next_attempt_at",
+        "processed_at",
+        "last_error",
+        "headers_received",
+        "body_received",
+    ]
+    readonly_fields = fields
+
+    @admin.display(description="headers")
+    def headers_received(self, event):
+        """As stored (signatures and credentials never are), the redacted names masked."""
+        shown = headers_shown(event, event.source)
+        if not shown:
+            return "none stored"
+        return format_html_join("", "<div><code>{}: {}</code></div>", shown.items())
+
+    @admin.display(description="body")
+    def body_received(self, event):
+        """As received, the source's redacted keys masked (ingest.selectors.body_shown)."""
+        shown = body_shown(event, event.source)
+        if not shown.text:
+            return shown.note
+        return format_html(
+            '<div class="quiet">{}</div><pre class="body">{}</pre>', shown.note, shown.text
+        )
 
     @admin.action(description="Process again (audited)", permissions=["change"])
     def reprocess(self, request, queryset):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -59,6 +60,125 @@ def backfill_progress(
         eta_seconds=eta,
         checkpoint=checkpoint,
     )
+
+
+# --- An event as the console shows it ----------------------------------------------------
+
+# Keys whose values the console always masks in a body or headers, whatever the source's
+# own list (Source.redact_keys) adds. Compared without case, "-" or "_".
+REDACTED_KEYS = frozenset(
+    {
+        "password",
+        "passwd",
+        "secret",
+        "clientsecret",
+        "token",
+        "accesstoken",
+        "refreshtoken",
+        "apikey",
+        "authorization",
+        "cookie",
+        "cardnumber",
+        "pan",
+        "cvc",
+        "cvv",
+        "ssn",
+        "iban",
+    }
+)
+MASK = "[redacted]"
+# What the event page shows of a body at most, and the largest body it parses to redact
+# (a bigger one is not shown: its fields could not be masked).
+BODY_SHOWN_CHARS = 20_000
+BODY_PARSED_BYTES = 2 * 1024 * 1024
+
+
+def _normal(key: str) -> str:
+    return key.lower().replace("-", "").replace("_", "")
+
+
+def redacted(value, keys: frozenset):
+    """``value`` (parsed JSON) with the values of ``keys`` masked, at any depth."""
+    if isinstance(value, dict):
+        return {k: MASK if _normal(str(k)) in keys else redacted(v, keys) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redacted(v, keys) for v in value]
+    return value
+
+
+def _keys_of(source) -> frozenset:
+    own = source.redact_keys if isinstance(source.redact_keys, list) else []
+    return REDACTED_KEYS | {_normal(str(k)) for k in own}
+
+
+@dataclass(frozen=True)
+class ShownBody:
+    text: str  # "" when the body is not shown
+    note: str  # what the reader should know: its size, a cut, why it is not shown
+
+
+def _form_lines(raw: bytes, keys: frozenset) -> str | None:
+    """Form data as ``key=value`` lines, the redacted keys masked and a JSON value (a
+    Slack ``payload``) redacted inside; None if it is not form data."""
+    import json
+    from urllib.parse import parse_qsl
+
+    try:
+        pairs = parse_qsl(raw.decode(), keep_blank_values=True, strict_parsing=True)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    lines = []
+    for key, value in pairs:
+        if _normal(key) in keys:
+            value = MASK
+        elif value[:1] in ("{", "["):
+            with contextlib.suppress(ValueError):
+                value = json.dumps(redacted(json.loads(value), keys), ensure_ascii=False)
+        lines.append(f"{key}={value}")
+    return "\n".join(lines)
+
+
+def body_shown(event, source) -> ShownBody:
+    """An inbound event's body for the console: JSON pretty-printed, form data as
+    ``key=value`` lines, each with the redacted keys masked, at most BODY_SHOWN_CHARS. A
+    body that is neither cannot be redacted field by field, so it is not shown, only its
+    size."""
+    import json
+
+    raw = bytes(event.body)
+    size = f"{len(raw):,} bytes"
+    if not raw:
+        return ShownBody("", "empty")
+    if len(raw) > BODY_PARSED_BYTES:
+        return ShownBody("", f"{size}: too large to show here")
+    keys = _keys_of(source)
+    content_type = str((event.headers or {}).get("content-type", "")).split(";")[0].strip()
+    try:
+        text = json.dumps(redacted(json.loads(raw), keys), indent=2, ensure_ascii=False)
+    except ValueError:
+        text = (
+            _form_lines(raw, keys) if content_type == "application/x-www-form-urlencoded" else None
+        )
+    if text is None:
+        return ShownBody(
+            "", f"{size}, not JSON or form data: not shown, since its fields cannot be masked"
+        )
+    if len(text) > BODY_SHOWN_CHARS:
+        return ShownBody(
+            text[:BODY_SHOWN_CHARS], f"{size}; the first {BODY_SHOWN_CHARS:,} characters shown"
+        )
+    return ShownBody(text, size)
+
+
+def headers_shown(event, source) -> dict[str, str]:
+    """The headers stored with the event (signatures and credentials were never stored),
+    the redacted names masked, sorted by name."""
+    keys = _keys_of(source)
+    headers = event.headers if isinstance(event.headers, dict) else {}
+    return {
+        name: MASK if _normal(name) in keys else str(value)
+        for name, value in sorted(headers.items())
+    }
 
 
 # --- The console's overview ---------------------------------------------------------------
