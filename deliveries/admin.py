@@ -23,14 +23,14 @@ from django.utils.functional import cached_property
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 from django_q import admin as q_admin  # registers django-q2's admins, replaced below
-from django_q.models import Failure, Success
+from django_q.models import Failure, OrmQ, Schedule, Success
 
 from . import charts as charts_module
 from . import overview, queries, selectors, services
 from .jobs.admin import TenantFilter
 from .jobs.admin import uuid_or_none as _uuid
 from .jobs.confirm import Operation, Selection, confirm_operation
-from .jobs.console import EMPTY, ConsoleAdmin, duration, when
+from .jobs.console import EMPTY, AuditedEdits, ConsoleAdmin, duration, when
 from .jobs.models import LoopRun
 from .models import (
     ApiKey,
@@ -142,7 +142,7 @@ class DeliveryLogPaginator(CappedCountPaginator):
         return self.filtered
 
 
-class ReadOnlyAdmin(ConsoleAdmin, admin.ModelAdmin):
+class ReadOnlyAdmin(AuditedEdits, ConsoleAdmin, admin.ModelAdmin):
     def has_add_permission(self, request):
         return False
 
@@ -894,7 +894,7 @@ def _pretty_body(body) -> str:
 
 
 @admin.register(Endpoint)
-class EndpointAdmin(ConsoleAdmin, admin.ModelAdmin):
+class EndpointAdmin(AuditedEdits, ConsoleAdmin, admin.ModelAdmin):
     list_display = [
         "url",
         "tenant",
@@ -1046,7 +1046,7 @@ class EndpointAdmin(ConsoleAdmin, admin.ModelAdmin):
 
 
 @admin.register(Tenant)
-class TenantAdmin(ConsoleAdmin, admin.ModelAdmin):
+class TenantAdmin(AuditedEdits, ConsoleAdmin, admin.ModelAdmin):
     list_display = ["name", "id", "external_id", "time_zone", "created_at"]
     search_fields = ["name", "=external_id"]
     actions = ["create_api_key"]
@@ -1064,9 +1064,12 @@ class TenantAdmin(ConsoleAdmin, admin.ModelAdmin):
 
 
 @admin.register(EgressAllowance)
-class EgressAllowanceAdmin(ConsoleAdmin, admin.ModelAdmin):
+class EgressAllowanceAdmin(AuditedEdits, ConsoleAdmin, admin.ModelAdmin):
     """Networks opened for one tenant (or endpoint) past the egress guard. Adding,
-    changing and deleting need their own model permissions, and each is audited."""
+    changing and deleting need their own model permissions, and each is audited by its
+    service (egress_allowance_save, egress_allowances_delete)."""
+
+    audited_by_services = True
 
     list_display = ["network", "tenant", "endpoint", "note", "created_by", "created_at"]
     list_filter = [TenantFilter]
@@ -1089,6 +1092,8 @@ class EgressAllowanceAdmin(ConsoleAdmin, admin.ModelAdmin):
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(ReadOnlyAdmin):
+    audited_by_services = True  # the expiry, the one edit, through api_key_set_expiry
+
     list_display = ["prefix", "tenant", "name", "created_at", "expires_at", "revoked_at"]
     list_filter = [TenantFilter]
     fields = ["prefix", "tenant", "name", "created_at", "expires_at", "revoked_at"]
@@ -1114,7 +1119,7 @@ class ApiKeyAdmin(ReadOnlyAdmin):
 
 
 @admin.register(EventType)
-class EventTypeAdmin(ConsoleAdmin, admin.ModelAdmin):
+class EventTypeAdmin(AuditedEdits, ConsoleAdmin, admin.ModelAdmin):
     list_display = ["name", "owner", "replay_safe", "description"]
     list_editable = ["replay_safe"]
     search_fields = ["name", "owner"]
@@ -1225,20 +1230,45 @@ def resubmit_tasks(modeladmin, request, queryset):
     return q_admin.resubmit_task(modeladmin, request, queryset)
 
 
-class SuccessAdmin(q_admin.TaskAdmin):
+class _TaskRows:
+    # django-q2's task admins read ``obj._meta`` for their read-only fields, which the
+    # console's rendering asks for without a row too.
+    def get_readonly_fields(self, request, obj=None):
+        return super().get_readonly_fields(request, obj) if obj is not None else []
+
+
+class SuccessAdmin(AuditedEdits, ConsoleAdmin, _TaskRows, q_admin.TaskAdmin):
     actions = [resubmit_tasks]
 
     def has_resubmit_permission(self, request):
         return self.has_change_permission(request)
 
+    @admin.display(description="time taken")
+    def time_taken(self, task):
+        return duration(task.time_taken())
 
-class FailureAdmin(q_admin.FailAdmin):
+
+class FailureAdmin(AuditedEdits, ConsoleAdmin, _TaskRows, q_admin.FailAdmin):
     actions = [resubmit_tasks]
 
     def has_resubmit_permission(self, request):
         return self.has_change_permission(request) and self.has_delete_permission(request)
 
 
-for _model, _model_admin in [(Success, SuccessAdmin), (Failure, FailureAdmin)]:
-    admin.site.unregister(_model)
-    admin.site.register(_model, _model_admin)
+class ScheduleAdmin(AuditedEdits, ConsoleAdmin, q_admin.ScheduleAdmin):
+    """django-q2's schedules, edited in the console like any row: audited."""
+
+
+class QueueAdmin(AuditedEdits, ConsoleAdmin, q_admin.QueueAdmin):
+    pass
+
+
+for _model, _model_admin in [
+    (Success, SuccessAdmin),
+    (Failure, FailureAdmin),
+    (Schedule, ScheduleAdmin),
+    (OrmQ, QueueAdmin),
+]:
+    if admin.site.is_registered(_model):  # OrmQ only with django-q2's ORM broker
+        admin.site.unregister(_model)
+        admin.site.register(_model, _model_admin)

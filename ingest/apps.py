@@ -21,6 +21,7 @@ class IngestConfig(AppConfig):
         from deliveries.jobs import kinds
         from deliveries.prometheus import register_provider
 
+        from . import jobs  # noqa: F401  (registers the console's poll and backfill jobs)
         from .alerts import verification_failure_check
         from .metrics import inbound_gauges, polling_gauges
         from .models import Source, SourceSecret

@@ -260,6 +260,9 @@ class PollSource(models.Model):
     last_error = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
+    class Meta:
+        permissions = [("poll_pollsource", "Can poll a source now from the console")]
+
     def __str__(self) -> str:
         return self.source.slug
 
@@ -325,6 +328,10 @@ class BackfillRun(models.Model):
         indexes = [
             # The admin's and the API's newest-first lists.
             models.Index(fields=["-created_at"], name="backfill_created"),
+        ]
+        permissions = [
+            # Starting runs a program against the provider for hours: more than a row.
+            ("start_backfillrun", "Can start and resume a backfill from the console"),
         ]
 
     def __str__(self) -> str:

@@ -42,6 +42,9 @@ INSTALLED_APPS = [
     "deliveries",
     "deliveries.jobs",
     "ingest",
+    # The standalone service's own admin module (project/admin.py): its users' and
+    # groups' admins, audited. Last, so that it replaces Django's.
+    "project",
 ]
 # Development only (requirements/dev.txt): `manage.py lintmigrations`, run by `make test`,
 # refuses backward-incompatible migrations (docs/compatibility.md).

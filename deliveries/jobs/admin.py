@@ -18,7 +18,7 @@ from django.utils.html import format_html
 from . import services
 from .background import JOB_TYPES
 from .confirm import Operation, Selection, confirm_operation
-from .console import ConsoleAdmin
+from .console import AuditedEdits, ConsoleAdmin
 from .models import Job, JobRun, JobState, RecurringJob
 from .selectors import job_progress
 
@@ -131,7 +131,7 @@ def _progress_text(job: Job) -> str:
 
 
 @admin.register(Job)
-class JobAdmin(ConsoleAdmin, admin.ModelAdmin):
+class JobAdmin(AuditedEdits, ConsoleAdmin, admin.ModelAdmin):
     list_display = [
         "id",
         "type",
@@ -310,8 +310,9 @@ class RecurringJobForm(forms.ModelForm):
 
 
 @admin.register(RecurringJob)
-class RecurringJobAdmin(ConsoleAdmin, admin.ModelAdmin):
+class RecurringJobAdmin(AuditedEdits, ConsoleAdmin, admin.ModelAdmin):
     form = RecurringJobForm
+    audited_by_services = True  # recurring_job_save, recurring_jobs_delete
     list_display = [
         "name",
         "job_type",
