@@ -30,7 +30,7 @@ from . import overview, queries, selectors, services
 from .jobs.admin import TenantFilter
 from .jobs.admin import uuid_or_none as _uuid
 from .jobs.confirm import Operation, Selection, confirm_operation
-from .jobs.console import EMPTY, AuditedEdits, ConsoleAdmin, duration, when
+from .jobs.console import EMPTY, AuditedEdits, ConsoleAdmin, duration, key_values, when
 from .jobs.models import LoopRun
 from .models import (
     ApiKey,
@@ -1231,13 +1231,16 @@ def resubmit_tasks(modeladmin, request, queryset):
 
 
 class _TaskRows:
+    # A task's arguments and result are pickled Python values: shown as key: value lines.
+    display_overrides = {"args": key_values, "kwargs": key_values, "result": key_values}
+
     # django-q2's task admins read ``obj._meta`` for their read-only fields, which the
     # console's rendering asks for without a row too.
     def get_readonly_fields(self, request, obj=None):
         return super().get_readonly_fields(request, obj) if obj is not None else []
 
 
-class SuccessAdmin(AuditedEdits, ConsoleAdmin, _TaskRows, q_admin.TaskAdmin):
+class SuccessAdmin(AuditedEdits, _TaskRows, ConsoleAdmin, q_admin.TaskAdmin):
     actions = [resubmit_tasks]
 
     def has_resubmit_permission(self, request):
@@ -1248,7 +1251,7 @@ class SuccessAdmin(AuditedEdits, ConsoleAdmin, _TaskRows, q_admin.TaskAdmin):
         return duration(task.time_taken())
 
 
-class FailureAdmin(AuditedEdits, ConsoleAdmin, _TaskRows, q_admin.FailAdmin):
+class FailureAdmin(AuditedEdits, _TaskRows, ConsoleAdmin, q_admin.FailAdmin):
     actions = [resubmit_tasks]
 
     def has_resubmit_permission(self, request):

@@ -111,6 +111,7 @@ def build(receiver: Receiver, provider, settings, *, events: int = 240) -> Conso
     _inbound()
     _backfill(provider)
     _jobs(tenants["acme"])
+    _schedules()
     for kind in ("scheduler", "relay", "workers"):
         save_run(start_run(kind), ticks=120, counts={"enqueued": 40, "lease_expired": 0})
     return Console(tenants, endpoints, Delivery.objects.count())
@@ -162,6 +163,26 @@ def _backfill(provider) -> None:
         slug="crm", since=now - timedelta(days=3650), until=now, rate=1000, started_by="ops"
     )
     backfill_run_execute(run_id=run.id)
+
+
+def _schedules() -> None:
+    """django-q2's schedules, and a task that ran and one that failed."""
+    from django_q.models import Task
+
+    from deliveries.schedules import install_schedules
+
+    install_schedules()
+    now = timezone.now()
+    for success in (True, False):
+        Task.objects.create(
+            id=f"task-{success}",
+            name=f"prune-{'ok' if success else 'failed'}",
+            func="deliveries.schedules.prune_pass",
+            started=now - timedelta(seconds=3),
+            stopped=now - timedelta(seconds=1.7),
+            success=success,
+            result={"deliveries": 0} if success else "Traceback: OperationalError",
+        )
 
 
 def _jobs(tenant) -> None:

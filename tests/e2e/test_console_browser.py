@@ -22,6 +22,20 @@ from tests.ingest.fake_provider import FakeProvider, StaticRecords
 from tests.project.admin_console import custom_urls
 
 PASSWORD = "correct-horse-battery-staple"
+
+
+class _Superuser:
+    is_active = is_staff = is_superuser = True
+
+    def has_perm(self, perm, obj=None):
+        return True
+
+
+class _Request:
+    user = _Superuser()
+
+
+SUPERUSER = _Request()
 shot = screenshots("console")
 pytestmark = pytest.mark.slow
 
@@ -64,14 +78,26 @@ INSPECT = """() => {
 
 def console_pages(objects: dict) -> list[tuple[str, str]]:
     """(name, path) of every page of the console: each admin's list, change page of its
-    first row and own pages, the overview, and the log as the overview's links filter it."""
-    pages = [("overview", "/admin/")]
+    first row, add page and own pages, the overview, the log as the overview's links
+    filter it, and the confirmation of a replay by filter."""
+    from deliveries.models import Delivery
+
+    dead = Delivery.objects.filter(state="dead").values_list("endpoint_id", flat=True).first()
+    log = reverse("admin:deliveries_delivery_changelist")
+    pages = [
+        ("overview", "/admin/"),
+        ("log-dead-of-an-endpoint", f"{log}?state__exact=dead&endpoint={dead}&ended=24h"),
+        ("log-searching-an-endpoint", f"{log}?endpoint_q=down"),
+        ("replay-matching", f"{log}replay-matching/?state__exact=dead&endpoint={dead}"),
+    ]
     for model, model_admin in sorted(admin.site._registry.items(), key=lambda i: i[0]._meta.label):
         opts = model._meta
         label = f"{opts.app_label}-{opts.model_name}"
         pages.append(
             (f"{label}-list", reverse(f"admin:{opts.app_label}_{opts.model_name}_changelist"))
         )
+        if model_admin.has_add_permission(SUPERUSER):
+            pages.append((f"{label}-add", reverse(f"admin:{opts.app_label}_{opts.model_name}_add")))
         obj = objects.get(model)
         if obj is not None:
             pages.append(
@@ -95,8 +121,7 @@ def first_rows() -> dict:
 
     found = {}
     for model, model_admin in admin.site._registry.items():
-        queryset = model_admin.get_queryset(None) if False else model._default_manager.all()
-        found[model] = queryset.order_by("pk").first()
+        found[model] = model_admin.get_queryset(SUPERUSER).order_by("pk").first()
     found[Delivery] = (
         Delivery.objects.filter(state="dead", attempt_count__gt=1)
         .order_by("-attempt_count")
