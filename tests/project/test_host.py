@@ -194,3 +194,15 @@ def test_the_app_modules_read_their_settings_through_the_defaults():
         and APP_READ.search(path.read_text())
     ]
     assert direct == []
+
+
+def test_every_logger_of_the_apps_is_under_the_names_a_host_configures():
+    # docs/install.md's LOGGING names "deliveries" and "ingest": a logger outside them
+    # would write nothing in a host that copied it.
+    named = []
+    for path in [*ROOT.glob("deliveries/**/*.py"), *ROOT.glob("ingest/**/*.py")]:
+        for name in re.findall(r"getLogger\(([^)]*)\)", path.read_text()):
+            module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            named.append(module if name == "__name__" else name.strip("\"'"))
+    assert named, "the apps log"
+    assert [n for n in named if n.split(".")[0] not in {"deliveries", "ingest"}] == []
