@@ -167,8 +167,28 @@ def check_shared_cache(app_configs, **kwargs):
             f"The default cache ({backend.rsplit('.', 1)[-1]}) is not shared between "
             "processes and hosts: each gunicorn process would allow the whole API and "
             "inbound rate limits.",
-            hint="Leave CACHE_URL unset (the database cache) or point it at Redis.",
+            hint="Set CACHES['default'] to a cache every process shares: the database cache "
+            "on the table the apps' migrations create (LOCATION 'webhooks_cache') or Redis "
+            "(docs/install.md; the standalone service reads CACHE_URL).",
             id="deliveries.W002",
+        )
+    ]
+
+
+@register()
+def check_q_cluster(app_configs, **kwargs):
+    """The apps install django-q2 (its Schedule rows run the maintenance): without a
+    ``Q_CLUSTER``, django-q2 warns at every start of every command."""
+    if getattr(settings, "Q_CLUSTER", None):
+        return []
+    return [
+        Warning(
+            "Q_CLUSTER is not set: django-q2 prints 'Retry and timeout are misconfigured' "
+            "at every start, and a qcluster would run on django-q2's defaults (its Redis "
+            "broker on localhost).",
+            hint="Q_CLUSTER = q_cluster(), with: from deliveries.conf import q_cluster "
+            "(docs/install.md).",
+            id="deliveries.W004",
         )
     ]
 
