@@ -13,7 +13,8 @@ environment with the default written here.
 A host writes them as Python values, and the default's type says which it may write
 (``read_setting``): a list as a list or tuple, or one comma-separated string (the
 environment's form); a number as a number or a numeric string, and a duration (``UNITS``)
-as a ``datetime.timedelta`` too; a flag as a bool; ``None`` for the default. Anything
+as a ``datetime.timedelta`` too; a flag as a bool; a dict as a mapping; ``None`` for the
+default. Anything
 else is the system check ``deliveries.E040``, one per setting, naming the type it got.
 """
 
@@ -225,6 +226,10 @@ def _item(default: object, value: object, unit: timedelta | None):
         return _number(value, unit, whole=True)
     if isinstance(default, float):
         return _number(value, unit, whole=False)
+    if isinstance(default, Mapping):
+        if isinstance(value, Mapping):
+            return dict(value)
+        raise ValueError(f"takes a dict; got {_kind(value)}")
     if isinstance(value, bytes):
         try:
             value = value.decode("ascii")

@@ -214,3 +214,12 @@ def test_install_md_names_the_type_of_every_list_duration_and_flag():
     assert set(UNITS.values()) <= set(unit_rows), "a unit with no row in install.md"
     for row, names in expected.items():
         assert rows[row] == names, row
+
+
+def test_a_dict_setting_takes_a_mapping_and_nothing_else():
+    # No app setting is a dict today; the next one is read like the others.
+    assert read_setting("X", {"a": 1}, {}) == {"a": 1}
+    assert read_setting("X", None, {"b": 2}) == {"b": 2}
+    for written in ("a=1", [("a", 1)], 5):
+        with pytest.raises(SettingTypeError, match=r"X: takes a dict; got a "):
+            read_setting("X", written, {})
