@@ -1,5 +1,20 @@
 from django.apps import AppConfig
 
+# What a host adds to its INSTALLED_APPS, in this order: the apps and the apps they need
+# (docs/install.md). Not drf_spectacular: the API's schema and docs page work without it,
+# and installed it runs its deploy check over the host's own DRF views, which fails
+# unless the host's DEFAULT_SCHEMA_CLASS is drf-spectacular's. A host whose own API uses
+# drf-spectacular lists it itself.
+TRUSTY_APPS = (
+    "rest_framework",
+    "django_filters",
+    "drf_spectacular_sidecar",  # Swagger UI's files for /api/docs/, without a CDN
+    "django_q",  # its Schedule rows: the maintenance schedules (install_schedules)
+    "deliveries",
+    "deliveries.jobs",  # the job machinery (label trusty_jobs)
+    "ingest",
+)
+
 
 class DeliveriesConfig(AppConfig):
     name = "deliveries"

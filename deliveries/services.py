@@ -12,6 +12,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.core.exceptions import ValidationError
+from django.core.serializers.json import DjangoJSONEncoder
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
@@ -55,8 +56,15 @@ class PayloadTooLarge(DomainError):
 
 
 def encode_payload(payload: Any) -> bytes:
-    """The body bytes sent on every attempt: compact JSON, fixed once at publish."""
-    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+    """The body bytes sent on every attempt: compact JSON, fixed once at publish.
+
+    Django's JSON encoder, so that what a model gives (a ``Decimal`` amount, a
+    ``datetime``, a ``UUID``) is written as Django writes it (a string; ISO 8601 for
+    times). ``NaN`` and infinities are refused (``ValueError``): no JSON parser reads them.
+    """
+    return json.dumps(
+        payload, cls=DjangoJSONEncoder, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode()
 
 
 def publish_event(

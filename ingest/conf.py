@@ -2,6 +2,8 @@
 lookup: ``TRUSTY_WEBHOOKS``, then the flat setting, then this default). ``settings`` also
 answers the outbound app's names, which the inbound side shares (loops, alerts)."""
 
+from datetime import timedelta
+
 from deliveries import conf as deliveries_conf
 
 DEFAULTS: dict[str, object] = {
@@ -24,4 +26,15 @@ DEFAULTS: dict[str, object] = {
     "BACKFILL_RETRIES": 5,
 }
 
-settings = deliveries_conf.AppSettings(deliveries_conf.DEFAULTS, DEFAULTS)
+# The unit of each of these that is a duration (deliveries/conf.py, UNITS).
+UNITS = {
+    "INGEST_SOURCE_CACHE_SECONDS": deliveries_conf.SECOND,
+    "RETENTION_INBOUND_DAYS": timedelta(days=1),
+    "INBOUND_DEDUPE_WINDOW": deliveries_conf.SECOND,
+    "POLL_LEASE_SECONDS": deliveries_conf.SECOND,
+    "BACKFILL_LEASE_SECONDS": deliveries_conf.SECOND,
+}
+
+settings = deliveries_conf.AppSettings(
+    deliveries_conf.DEFAULTS, DEFAULTS, units={**deliveries_conf.UNITS, **UNITS}
+)

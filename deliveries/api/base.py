@@ -3,6 +3,11 @@
 neither changes this API nor is changed by it. DRF fills a view's unset attributes from
 the project-wide settings at import, so each is named here."""
 
+import functools
+from pathlib import Path
+
+import drf_spectacular
+from django.template.backends.django import DjangoTemplates
 from django_filters.rest_framework import DjangoFilterBackend
 from drf_spectacular.openapi import AutoSchema
 from drf_spectacular.settings import patched_settings, spectacular_settings
@@ -111,8 +116,30 @@ class SchemaView(Public, SpectacularAPIView):
         return super().get(request, *args, **kwargs)
 
 
+@functools.cache
+def _spectacular_templates() -> DjangoTemplates:
+    return DjangoTemplates(
+        {
+            "NAME": "drf_spectacular",
+            "DIRS": [Path(drf_spectacular.__file__).parent / "templates"],
+            "APP_DIRS": False,
+            "OPTIONS": {},
+        }
+    )
+
+
+class SpectacularPageRenderer(renderers.TemplateHTMLRenderer):
+    """drf-spectacular's page templates, read from its package: the docs page works
+    whether or not the host lists drf_spectacular in INSTALLED_APPS (deliveries.apps,
+    TRUSTY_APPS, says why the apps do not need it)."""
+
+    def resolve_template(self, template_names):
+        (name,) = template_names  # the view's one template_name
+        return _spectacular_templates().get_template(name)
+
+
 class SchemaDocsView(Public, SpectacularSwaggerView):
-    renderer_classes = SpectacularSwaggerView.renderer_classes
+    renderer_classes = [SpectacularPageRenderer]
     title = SCHEMA_SETTINGS["TITLE"]
 
     @extend_schema(exclude=True)

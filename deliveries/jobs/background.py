@@ -20,6 +20,7 @@ deadline (``jobs_schedule``). Guide: docs/jobs.md.
 import asyncio
 import contextvars
 import inspect
+import json
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
+from django.core.serializers.json import DjangoJSONEncoder
 from django.utils import timezone
 
 from deliveries.conf import settings
@@ -217,6 +219,11 @@ def job_type(name: str) -> JobType:
         raise UnknownJobType(f"no job type {name!r} is registered in this process") from None
 
 
+def as_json(payload: dict) -> dict:
+    """``payload`` as it reads back from its JSON (Django's encoder; no ``NaN``)."""
+    return json.loads(json.dumps(payload, cls=DjangoJSONEncoder, allow_nan=False))
+
+
 def enqueue(
     type: str,
     payload: Mapping | None = None,
@@ -233,11 +240,15 @@ def enqueue(
     however the process ends afterwards. With ``idempotency_key`` a second enqueue of the
     same type and key writes nothing and returns the first job (the constraint
     ``job_idempotency`` decides, also between concurrent callers). ``tenant``: a tenant
-    (anything with a UUID ``id``) or its id, for the per-tenant fairness of the claim."""
+    (anything with a UUID ``id``) or its id, for the per-tenant fairness of the claim.
+
+    The payload is stored as JSON with Django's encoder, and the function gets it back
+    from there: a ``Decimal``, ``datetime`` or ``UUID`` arrives as its string, on the
+    first run as on a retry."""
     from .job_queries import job_insert
 
     spec = job_type(type)
-    payload = dict(payload or {})
+    payload = as_json(dict(payload or {}))
     now = timezone.now()
     lock_key = spec.lock(**payload) if spec.lock is not None else ""
     fields = {
