@@ -455,11 +455,11 @@ class JobWorker:
             return
         if lease is None:
             # Renewals hold it for its own lease from the first one, due before the
-            # claim's runs out.
+            # claim's runs out; the entity lock is taken for the claim's.
             entry.lease = spec.lease_seconds
             entry.renew_at = t0 + min(default_lease, entry.lease) / 2
         if job.lock_key and not entity_lock_acquire(
-            key=job.lock_key, owner=str(job.token), ttl=lease, now=now
+            key=job.lock_key, owner=str(job.token), ttl=lease or default_lease, now=now
         ):
             self._settle(entry, Result(entry, ""))  # held by another job: back, not an attempt
             return
