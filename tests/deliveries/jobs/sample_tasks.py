@@ -9,7 +9,7 @@ import time
 from asgiref.sync import sync_to_async
 from django_tasks import task
 
-from deliveries.jobs.background import current_job
+from deliveries.jobs.background import Fail, current_job
 from deliveries.jobs.tasks import task_options
 from tests.deliveries.jobs.sample_jobs import _mark, _mark_and_close
 
@@ -39,6 +39,11 @@ async def async_mark(label):
 def explode(label):
     _mark(label, time.time())
     raise ValueError(f"{label} went wrong (token whsec_abcdefghijkl)")
+
+
+@task
+def refuse(invoice_id):
+    raise Fail(f"invoice {invoice_id} does not exist")
 
 
 @task(takes_context=True)

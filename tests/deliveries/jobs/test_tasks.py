@@ -8,6 +8,7 @@ import subprocess
 import sys
 import uuid
 from datetime import timedelta
+from functools import partial
 
 import pytest
 from asgiref.sync import async_to_sync
@@ -18,8 +19,16 @@ from django_tasks import default_task_backend, task
 from django_tasks.exceptions import TaskResultDoesNotExist, TaskResultMismatch
 
 from deliveries.alerts import dead_job_check
-from deliveries.jobs.background import JOB_TYPES, LeaseExpired, enqueue, job, jobs_schedule
-from deliveries.jobs.models import Job, JobRun, JobState
+from deliveries.jobs.background import (
+    JOB_TYPES,
+    Fail,
+    LeaseExpired,
+    enqueue,
+    job,
+    jobs_schedule,
+)
+from deliveries.jobs.models import Job, JobRun, JobState, RecurringJob
+from deliveries.jobs.services import recurring_job_save
 from deliveries.jobs.tasks import InvalidTask, InvalidTaskBackend, JobsBackend, ResultRefused
 from tests.conftest import scrape, subprocess_env, value
 from tests.deliveries.jobs import sample_jobs, sample_tasks
@@ -103,6 +112,16 @@ def test_a_failing_task_retries_then_ends_dead_with_its_masked_traceback():
 
 
 @both
+def test_fail_raised_in_a_task_ends_it_dead_at_once():
+    result = sample_tasks.refuse.enqueue(42)
+    work()
+    result.refresh()
+    assert (result.status, result.attempts) == ("FAILED", 1)
+    assert result.errors[0].exception_class is Fail
+    assert job_of(result).dead_reason == "invoice 42 does not exist"
+
+
+@both
 def test_priority_queue_and_run_after_map_onto_the_job():
     soon = timezone.now() + timedelta(hours=1)
     tasks = {
@@ -125,6 +144,37 @@ def test_priority_queue_and_run_after_map_onto_the_job():
     make_due()
     work()
     assert [m[2] for m in marks()] == ["high", "low", "bulk", "later"]
+
+
+@both
+def test_enqueue_on_commit_as_django_documents_it():
+    with transaction.atomic():
+        transaction.on_commit(partial(sample_tasks.mark.enqueue, "on commit"))
+        assert not Job.objects.exists()  # not before the commit
+    with pytest.raises(RuntimeError), transaction.atomic():
+        transaction.on_commit(partial(sample_tasks.mark.enqueue, "rolled back"))
+        raise RuntimeError("the caller's transaction fails")
+    [row] = Job.objects.all()
+    assert row.payload["args"] == ["on commit"]
+    work()
+    assert [m[2] for m in marks()] == ["on commit"]
+
+
+@both
+def test_a_recurring_job_can_enqueue_a_task():
+    now = timezone.now()
+    row = recurring_job_save(
+        recurring_job=RecurringJob(
+            name="tick",
+            job_type=f"{PATH}.mark",
+            cron="* * * * *",
+            payload={"args": ["tick"], "kwargs": {}},
+        )
+    )
+    RecurringJob.objects.filter(id=row.id).update(next_tick_at=now - timedelta(seconds=1))
+    assert jobs_schedule(now, 100)[0]["recurring_enqueued"] == 1
+    work()
+    assert [m[2] for m in marks()] == ["tick"]
 
 
 @both
