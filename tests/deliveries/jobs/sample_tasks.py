@@ -4,6 +4,7 @@ start find them by their module path, as any worker does. Runs that the tests mu
 write a mark (sample_jobs.marks)."""
 
 import asyncio
+import threading
 import time
 
 from asgiref.sync import sync_to_async
@@ -32,7 +33,7 @@ async def async_mark(label):
     started = time.time()
     await asyncio.sleep(0.01)
     await sync_to_async(_mark_and_close)(label, started)
-    return [label, "async"]
+    return [label, threading.current_thread().name]  # the worker's loop: "job-loop"
 
 
 @task(max_attempts=2)

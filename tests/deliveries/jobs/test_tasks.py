@@ -183,7 +183,7 @@ def test_an_async_task_runs_on_the_workers_loop_and_aget_result_reads_it():
     assert JOB_TYPES[f"{PATH}.async_mark"].is_async
     work()
     read = async_to_sync(default_task_backend.aget_result)(result.id)
-    assert (read.status, read.return_value) == ("SUCCESSFUL", ["async", "async"])
+    assert (read.status, read.return_value) == ("SUCCESSFUL", ["async", "job-loop"])
     assert [m[2] for m in marks()] == ["async"]
 
 
