@@ -233,10 +233,10 @@ else:
                 return None
 
         def check(self, **kwargs) -> Iterable[checks.CheckMessage]:
-            """A misconfigured backend fails the system checks (``deliveries.E040``)."""
+            """A misconfigured backend fails the system checks (``deliveries.E050``)."""
             for problem in self.problems:
                 yield checks.Error(
-                    f"TASKS[{self.alias!r}] OPTIONS: {problem}.", id="deliveries.E040"
+                    f"TASKS[{self.alias!r}] OPTIONS: {problem}.", id="deliveries.E050"
                 )
 
         # --- Defining: each task registers its job type --------------------------------

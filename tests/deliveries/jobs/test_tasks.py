@@ -274,7 +274,7 @@ def test_backend_options_are_checked_and_become_the_jobs_defaults():
         {"OPTIONS": {"MAX_ATTEMPTS": 0, "TIMEOUT": -1, "RETRY_SCHEDULE": ["soon"], "TYPO": 1}},
     )
     errors = list(bad.check())
-    assert {e.id for e in errors} == {"deliveries.E040"}
+    assert {e.id for e in errors} == {"deliveries.E050"}
     assert len(errors) == 4
     with pytest.raises(InvalidTaskBackend, match="OPTIONS"):  # no task runs on it
         bad.validate_task(sample_tasks.add)
