@@ -40,6 +40,11 @@ INSTALLED_APPS = [
     # service has no DRF view of its own for drf-spectacular's deploy check to refuse.
     "drf_spectacular",
 ]
+# Django's Tasks API: `@task` functions run as background jobs (docs/jobs.md). Django 6.0
+# has it built in; before it, the django-tasks backport is an app of its own.
+if importlib.util.find_spec("django.tasks") is None:
+    INSTALLED_APPS.append("django_tasks")
+TASKS = {"default": {"BACKEND": "deliveries.jobs.tasks.JobsBackend"}}
 # Development only (requirements/dev.txt): `manage.py lintmigrations`, run by `make test`,
 # refuses backward-incompatible migrations (docs/compatibility.md).
 if importlib.util.find_spec("django_migration_linter") is not None:
