@@ -83,6 +83,11 @@ def extend_schema(**kwargs):
 # The schema of this API alone, under this API's own title.
 SCHEMA_SETTINGS = {
     "PREPROCESSING_HOOKS": ["deliveries.api.base.product_endpoints_only"],
+    # Every operation's error answers, in the one error shape (deliveries.api.errors).
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "deliveries.api.errors.document_errors",
+    ],
     # Operation ids and tags from the path after api/ (v1_deliveries_list), wherever the
     # host mounted the API.
     "SCHEMA_PATH_PREFIX": r"/(?:.*/)?api/",
