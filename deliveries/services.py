@@ -13,6 +13,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.core.exceptions import ValidationError
+from django.core.validators import validate_email
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
@@ -334,6 +335,27 @@ def tenant_get_or_create(
         ) from exc
 
 
+def tenant_set_notification_email(*, tenant: Tenant, email: str, actor=None, via: str = "") -> None:
+    """Where the tenant is told about its endpoints (deliveries.alerts); "" for nowhere."""
+    email = email.strip()
+    if email:
+        try:
+            validate_email(email)
+        except ValidationError as exc:
+            raise DomainError(f"notification_email: {exc.messages[0]}") from exc
+    with transaction.atomic():
+        Tenant.objects.filter(id=tenant.id).update(notification_email=email)
+        audit(
+            actor=actor,
+            action="tenant.notification_email",
+            target="tenant",
+            count=1,
+            tenant=str(tenant.id),
+            via=via,
+        )
+    tenant.notification_email = email
+
+
 # --- Endpoints -----------------------------------------------------------------------
 
 
@@ -392,7 +414,7 @@ def _at_most(value, ceiling) -> None:
 
 
 def endpoint_rotate_secret(
-    *, endpoint: Endpoint, overlap: timedelta = timedelta(hours=24), actor=None
+    *, endpoint: Endpoint, overlap: timedelta = timedelta(hours=24), actor=None, via: str = ""
 ) -> str:
     """Add a new secret; the current ones keep signing for ``overlap`` so receivers can
     switch without dropping a message. Returns the new secret."""
@@ -410,8 +432,22 @@ def endpoint_rotate_secret(
             target="endpoint",
             count=1,
             endpoint=str(endpoint.id),
+            via=via,
         )
     return secret
+
+
+TEST_EVENT_TYPE = "webhook.test"
+
+
+def endpoint_send_test(*, endpoint: Endpoint) -> Event:
+    """Publish a ``webhook.test`` event to this endpoint alone, whatever its filter."""
+    return publish_event(
+        tenant=endpoint.tenant_id,
+        event_type=TEST_EVENT_TYPE,
+        payload={"message": "test event", "endpoint_id": str(endpoint.id)},
+        endpoint_ids=[endpoint.id],
+    )
 
 
 def active_secrets(
@@ -463,7 +499,7 @@ def endpoint_update(*, endpoint: Endpoint, **changes: Any) -> Endpoint:
     return endpoint
 
 
-def endpoint_enable(*, endpoint: Endpoint, actor=None) -> bool:
+def endpoint_enable(*, endpoint: Endpoint, actor=None, via: str = "") -> bool:
     with transaction.atomic():
         changed = bool(
             Endpoint.objects.filter(id=endpoint.id, enabled=False).update(
@@ -477,6 +513,7 @@ def endpoint_enable(*, endpoint: Endpoint, actor=None) -> bool:
                 target="endpoint",
                 count=1,
                 endpoint=str(endpoint.id),
+                via=via,
             )
     return changed
 

@@ -40,5 +40,7 @@ urlpatterns = [
     path("api/", include("deliveries.api.urls")),
     # Anything else under api/ is the API's JSON 404, not the host's HTML page.
     re_path(r"^api/", api_not_found),
+    # The customer portal (deliveries/portal/): a tenant's own pages, opened by a link.
+    path("portal/", include("deliveries.portal.urls")),
     *_app_routes(),
 ]

@@ -58,6 +58,17 @@ class ApiRoot(Public, routers.APIRootView):
 class ApiRouter(routers.DefaultRouter):
     APIRootView = ApiRoot
 
+    def get_api_root_view(self, api_urls=None):
+        # The root links the collections, the routes a GET lists: not an action-only
+        # route such as portal-link (POST only).
+        list_name = self.routes[0].name
+        collections = {
+            prefix: list_name.format(basename=basename)
+            for prefix, viewset, basename in self.registry
+            if hasattr(viewset, "list")
+        }
+        return self.APIRootView.as_view(api_root_dict=collections)
+
 
 def product_endpoints_only(endpoints):
     """drf-spectacular preprocessing hook: the schema shows this API's routes, not the

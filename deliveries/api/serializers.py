@@ -257,6 +257,20 @@ class EventTypeOutput(serializers.ModelSerializer):
         fields = ["name", "group", "description", "owner", "validation", "versions"]
 
 
+class PortalLinkInput(serializers.Serializer):
+    ttl = serializers.IntegerField(
+        required=False,
+        min_value=1,
+        help_text="Seconds the link stays valid (PORTAL_LINK_TTL by default, at most "
+        "PORTAL_LINK_MAX_TTL).",
+    )
+
+
+class PortalLinkOutput(serializers.Serializer):
+    url = serializers.CharField(help_text="Open it once, before expires_at.")
+    expires_at = serializers.DateTimeField()
+
+
 class CountOutput(serializers.Serializer):
     count = serializers.IntegerField()
 

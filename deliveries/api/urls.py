@@ -6,7 +6,14 @@ from django.urls import path
 from rest_framework.routers import SimpleRouter
 
 from .base import SchemaDocsView, SchemaView
-from .views import DeliveryViewSet, EndpointViewSet, EventTypeViewSet, EventViewSet, JobViewSet
+from .views import (
+    DeliveryViewSet,
+    EndpointViewSet,
+    EventTypeViewSet,
+    EventViewSet,
+    JobViewSet,
+    PortalLinkViewSet,
+)
 
 router = SimpleRouter(trailing_slash="/?")
 router.register("endpoints", EndpointViewSet, basename="endpoint")
@@ -14,6 +21,7 @@ router.register("events", EventViewSet, basename="event")
 router.register("deliveries", DeliveryViewSet, basename="delivery")
 router.register("jobs", JobViewSet, basename="job")
 router.register("event-types", EventTypeViewSet, basename="event-type")
+router.register("portal-link", PortalLinkViewSet, basename="portal-link")
 
 urlpatterns = [
     path("schema/", SchemaView.as_view(), name="schema"),

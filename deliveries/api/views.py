@@ -155,13 +155,7 @@ class EndpointViewSet(TenantScoped, viewsets.ModelViewSet):
     @action(detail=True, methods=["post"])
     def test(self, request, pk=None):
         """Send a ``webhook.test`` event to this endpoint only."""
-        endpoint = self.get_object()
-        event = services.publish_event(
-            tenant=self.tenant,
-            event_type="webhook.test",
-            payload={"message": "test event", "endpoint_id": str(endpoint.id)},
-            endpoint_ids=[endpoint.id],
-        )
+        event = services.endpoint_send_test(endpoint=self.get_object())
         return Response(s.EventOutput(event).data, status=status.HTTP_202_ACCEPTED)
 
 
@@ -330,6 +324,26 @@ class EventTypeViewSet(TenantScoped, mixins.ListModelMixin, viewsets.GenericView
 
     def get_queryset(self):
         return EventType.objects.prefetch_related("versions")
+
+
+class PortalLinkViewSet(TenantScoped, viewsets.ViewSet):
+    # A link into the caller's tenant's portal (deliveries.portal): POST only.
+
+    @extend_schema(request=s.PortalLinkInput, responses={200: s.PortalLinkOutput})
+    def create(self, request):
+        """A short-lived, single-use link that opens this tenant's portal. Hand it to
+        the customer's browser at once; it is not a resource to fetch later."""
+        from ..portal.links import enter_path, portal_link_create
+
+        data = s.PortalLinkInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        link, token = portal_link_create(
+            tenant=self.tenant,
+            ttl=data.validated_data.get("ttl"),
+            via=f"api key {request.user.api_key_id}",
+        )
+        url = request.build_absolute_uri(enter_path(token))
+        return Response({"url": url, "expires_at": link.expires_at})
 
 
 class JobViewSet(TenantScoped, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
