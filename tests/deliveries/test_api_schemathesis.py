@@ -395,6 +395,7 @@ def valid_bodies() -> dict:
         "PATCH /api/v1/endpoints/{id}/": {"description": "d", "event_types": ["t"]},
         "POST /api/v1/events/": {"event_type": "t", "payload": {"n": 1}, "entity_id": "e"},
         "POST /api/v1/deliveries/recover/": {"since": timezone.now().isoformat()},
+        "POST /api/v1/portal-link/": {"ttl": 60},
     }
 
 
