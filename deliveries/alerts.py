@@ -392,7 +392,7 @@ def _incident_endpoint(incident: OperationalEvent) -> Endpoint | None:
 
 def tenant_notice_payload(incident: OperationalEvent, endpoint: Endpoint) -> dict:
     """The body of an ``endpoint.disabled`` / ``endpoint.failing`` event (its schema is
-    in the catalogue, migration 0029)."""
+    in the catalogue, migration 0030)."""
     return {
         "endpoint_id": str(endpoint.id),
         "url_host": urlsplit(endpoint.url).hostname or "",

@@ -250,7 +250,7 @@ def test_the_catalogue_route_lists_types_with_schemas_and_examples(tenant):
     catalogued(versions={1: INVOICE_SCHEMA, 2: {"type": "object"}})
     catalogued("invoice.voided", validation="warn")
     catalogued("customer.deleted", validation="off")
-    # The service's own types (migration 0029) may be there, or flushed by an earlier test.
+    # The service's own types (migration 0030) may be there, or flushed by an earlier test.
     EventType.objects.filter(name__startswith="endpoint.").delete()
     _, key = services.api_key_create(tenant=tenant)
     client = APIClient()

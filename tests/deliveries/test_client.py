@@ -43,6 +43,8 @@ def test_the_whole_story_through_the_client(api, receiver, settings):
 
     rotated = api.rotate_secret(endpoint["id"])
     assert rotated["secret"] != endpoint["secret"] and rotated["previous_secrets_expire_at"]
+    assert api.pause(endpoint["id"], reason="deploy")["paused"] is True
+    assert api.resume(endpoint["id"])["paused"] is False
     test_event = api.send_test(endpoint["id"])
     assert test_event["event_type"] == "webhook.test"
     assert api.recover(timezone.now() - timedelta(days=1)) == 0
@@ -84,7 +86,7 @@ def test_the_catalogue_through_the_client(api):
         event_type=paid, schema={"type": "object"}, example={"invoice_id": "in_1"}
     )
     EventType.objects.create(name="customer.created")
-    EventType.objects.filter(name__startswith="endpoint.").delete()  # migration 0029's
+    EventType.objects.filter(name__startswith="endpoint.").delete()  # migration 0030's
     assert [t["name"] for t in api.list_event_types()] == ["customer.created", "invoice.paid"]
     (listed,) = api.list_event_types(group="invoice")
     assert listed["versions"][0]["example"] == {"invoice_id": "in_1"}

@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('deliveries', '0029_catalogue_endpoint_notices'),
+        ('deliveries', '0030_catalogue_endpoint_notices'),
     ]
 
     operations = [

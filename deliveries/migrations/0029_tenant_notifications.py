@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('deliveries', '0027_event_catalogue'),
+        ('deliveries', '0028_event_catalogue'),
     ]
 
     operations = [

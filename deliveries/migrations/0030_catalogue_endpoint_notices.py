@@ -70,6 +70,6 @@ def remove(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-    dependencies = [("deliveries", "0028_tenant_notifications")]
+    dependencies = [("deliveries", "0029_tenant_notifications")]
 
     operations = [migrations.RunPython(add, remove)]

@@ -8,7 +8,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('deliveries', '0026_schedules_module'),
+        ('deliveries', '0027_endpoint_pause'),
     ]
 
     operations = [
