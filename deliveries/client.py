@@ -52,6 +52,9 @@ class Endpoint(TypedDict):
     timeout: float | None
     header_names: list[str]
     retry_client_errors: bool
+    paused: NotRequired[bool]
+    paused_at: NotRequired[str | None]
+    paused_reason: NotRequired[str]
     created_at: str
     updated_at: str
 
@@ -239,6 +242,14 @@ class WebhooksClient:
 
     def rotate_secret(self, endpoint_id: str) -> SecretRotation:
         return self.request("POST", f"endpoints/{_id(endpoint_id)}/rotate-secret/")[2]
+
+    def pause(self, endpoint_id: str, *, reason: str = "") -> Endpoint:
+        """Hold the endpoint's deliveries (none is lost) until ``resume``."""
+        body = {"reason": reason} if reason else {}
+        return self.request("POST", f"endpoints/{_id(endpoint_id)}/pause/", body=body)[2]
+
+    def resume(self, endpoint_id: str) -> Endpoint:
+        return self.request("POST", f"endpoints/{_id(endpoint_id)}/resume/")[2]
 
     def send_test(self, endpoint_id: str) -> Event:
         return self.request("POST", f"endpoints/{_id(endpoint_id)}/test/")[2]

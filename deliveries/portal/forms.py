@@ -130,6 +130,15 @@ class RotateForm(forms.Form):
     )
 
 
+class PauseForm(forms.Form):
+    reason = forms.CharField(
+        label="Why (optional)",
+        max_length=200,
+        required=False,
+        help_text="Deliveries wait, none is lost; they flow again when you resume.",
+    )
+
+
 class DeliveryFilterForm(forms.Form):
     state = forms.ChoiceField(
         label="State", required=False, choices=[("", "Any"), *DeliveryState.choices]

@@ -157,6 +157,7 @@ def endpoint_detail(request, tenant, pk):
             "endpoint": endpoint,
             "form": form,
             "rotate": forms.RotateForm(),
+            "pause": forms.PauseForm(),
             "recent": recent,
             "previous_secret_until": secrets_until,
             "nav": "endpoints",
@@ -205,6 +206,26 @@ def endpoint_enable(request, tenant, pk):
         return response
     endpoint = _endpoint(tenant, pk)
     services.endpoint_enable(endpoint=endpoint, via="portal")
+    return redirect("trusty_portal:endpoint", pk=endpoint.id)
+
+
+@access.portal_view
+def endpoint_pause(request, tenant, pk):
+    if response := _post_only(request):
+        return response
+    endpoint = _endpoint(tenant, pk)
+    form = forms.PauseForm(request.POST)
+    reason = form.cleaned_data["reason"] if form.is_valid() else ""
+    services.endpoint_pause(endpoint=endpoint, reason=reason, via="portal")
+    return redirect("trusty_portal:endpoint", pk=endpoint.id)
+
+
+@access.portal_view
+def endpoint_resume(request, tenant, pk):
+    if response := _post_only(request):
+        return response
+    endpoint = _endpoint(tenant, pk)
+    services.endpoint_resume(endpoint=endpoint, via="portal")
     return redirect("trusty_portal:endpoint", pk=endpoint.id)
 
 

@@ -73,6 +73,8 @@ def portal_routes() -> list[str]:
 
 
 OBJECT_ROUTES = [r for r in portal_routes() if "{id}" in r]
+# The routes that only act (POST), with no page of their own.
+ACTIONS = ("/test/", "/rotate/", "/enable/", "/pause/", "/resume/", "/replay/")
 PLAIN_ROUTES = [r for r in portal_routes() if "{id}" not in r]
 
 
@@ -82,6 +84,8 @@ def test_the_route_lists_cover_the_portal():
         "/portal/deliveries/{id}/replay/",
         "/portal/endpoints/{id}/",
         "/portal/endpoints/{id}/enable/",
+        "/portal/endpoints/{id}/pause/",
+        "/portal/endpoints/{id}/resume/",
         "/portal/endpoints/{id}/rotate/",
         "/portal/endpoints/{id}/test/",
     ]
@@ -196,7 +200,7 @@ def test_another_tenants_id_is_the_same_404_as_a_random_one(route, method, alice
         getattr(client, method)(fill(route, object_id), {"overlap_hours": 0})
         for object_id in (theirs, uuid.uuid4(), "not-a-uuid")
     ]
-    if method == "get" and route.endswith(("/test/", "/rotate/", "/enable/", "/replay/")):
+    if method == "get" and route.endswith(ACTIONS):
         assert {a.status_code for a in answers} == {405}
         return
     assert [a.status_code for a in answers] == [404, 404, 404]
@@ -215,9 +219,8 @@ def test_another_tenants_id_is_the_same_404_as_a_random_one(route, method, alice
     delivery.refresh_from_db()
     endpoint.refresh_from_db()
     assert delivery.state == "pending" and delivery.attempt_count == 0
-    assert endpoint.enabled and EndpointSecret.objects.filter(endpoint=endpoint).count() == (
-        secrets_before
-    )
+    assert endpoint.enabled and endpoint.paused_at is None
+    assert EndpointSecret.objects.filter(endpoint=endpoint).count() == (secrets_before)
     assert Delivery.objects.filter(tenant=bob_tenant).count() == 1
 
 
@@ -282,7 +285,7 @@ def test_every_control_is_labelled_and_every_post_form_carries_the_token(alice):
     EventType.objects.get_or_create(name="invoice.paid")
     delivery = Delivery.objects.get(event=event)
     pages = [fill(r, endpoint.id if "/endpoints/" in r else delivery.id) for r in portal_routes()]
-    pages = [p for p in pages if not p.endswith(("/test/", "/rotate/", "/enable/", "/replay/"))]
+    pages = [p for p in pages if not p.endswith(ACTIONS)]
     pages = [p for p in pages if p != "/portal/leave/"]
     pages += ["/portal/enter/"]
     checked = 0
@@ -468,3 +471,20 @@ def test_retention_deletes_links_a_day_past_their_expiry():
     PortalLink.objects.filter(id=old.id).update(expires_at=timezone.now() - timedelta(days=2))
     prune()
     assert list(PortalLink.objects.values_list("id", flat=True)) == [fresh.id]
+
+
+def test_pausing_holds_the_deliveries_and_resuming_lets_them_flow(alice):
+    tenant, client = alice
+    endpoint, _ = services.endpoint_create(tenant=tenant, url="https://example.com/a")
+    r = client.post(f"/portal/endpoints/{endpoint.id}/pause/", {"reason": "maintenance"})
+    assert r.status_code == 302
+    endpoint.refresh_from_db()
+    assert endpoint.paused_at is not None and endpoint.paused_reason == "maintenance"
+    page = client.get(f"/portal/endpoints/{endpoint.id}/").content.decode()
+    assert "paused" in page and "maintenance" in page and 'id="resume"' in page
+    client.post(f"/portal/endpoints/{endpoint.id}/resume/")
+    endpoint.refresh_from_db()
+    assert endpoint.paused_at is None
+    assert list(
+        AuditEntry.objects.filter(details__via="portal").values_list("action", flat=True)
+    ) == ["endpoint.pause", "endpoint.resume"]
