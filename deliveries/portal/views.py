@@ -3,6 +3,7 @@ tenant's id is the same 404 as a random one; every write calls the service the A
 the admin call (deliveries.services), with ``via`` saying it came from the portal."""
 
 import json
+from functools import wraps
 from pathlib import Path
 
 from django.db import transaction
@@ -165,27 +166,36 @@ def endpoint_detail(request, tenant, pk):
     )
 
 
-@access.portal_view
-def endpoint_test(request, tenant, pk):
-    if response := _post_only(request):
-        return response
-    endpoint = _endpoint(tenant, pk)
+def endpoint_action(act):
+    """A POST that acts on one of the tenant's endpoints: ``act(request, endpoint)``
+    answers, or returns None to go back to the endpoint's page."""
+
+    @access.portal_view
+    @wraps(act)
+    def view(request, tenant, pk):
+        if response := _post_only(request):
+            return response
+        endpoint = _endpoint(tenant, pk)
+        return act(request, endpoint) or redirect("trusty_portal:endpoint", pk=endpoint.id)
+
+    return view
+
+
+@endpoint_action
+def endpoint_test(request, endpoint):
     if not endpoint.enabled:
-        return redirect("trusty_portal:endpoint", pk=endpoint.id)
+        return None
     with transaction.atomic():
         event = services.endpoint_send_test(endpoint=endpoint)
         delivery = Delivery.objects.get(event=event)
     return redirect("trusty_portal:delivery", pk=delivery.id)
 
 
-@access.portal_view
-def endpoint_rotate(request, tenant, pk):
-    if response := _post_only(request):
-        return response
-    endpoint = _endpoint(tenant, pk)
+@endpoint_action
+def endpoint_rotate(request, endpoint):
     form = forms.RotateForm(request.POST)
     if not form.is_valid():
-        return redirect("trusty_portal:endpoint", pk=endpoint.id)
+        return None
     overlap = timezone.timedelta(hours=form.cleaned_data["overlap_hours"])
     secret = services.endpoint_rotate_secret(endpoint=endpoint, overlap=overlap, via="portal")
     return access.page(
@@ -200,33 +210,21 @@ def endpoint_rotate(request, tenant, pk):
     )
 
 
-@access.portal_view
-def endpoint_enable(request, tenant, pk):
-    if response := _post_only(request):
-        return response
-    endpoint = _endpoint(tenant, pk)
+@endpoint_action
+def endpoint_enable(request, endpoint):
     services.endpoint_enable(endpoint=endpoint, via="portal")
-    return redirect("trusty_portal:endpoint", pk=endpoint.id)
 
 
-@access.portal_view
-def endpoint_pause(request, tenant, pk):
-    if response := _post_only(request):
-        return response
-    endpoint = _endpoint(tenant, pk)
+@endpoint_action
+def endpoint_pause(request, endpoint):
     form = forms.PauseForm(request.POST)
     reason = form.cleaned_data["reason"] if form.is_valid() else ""
     services.endpoint_pause(endpoint=endpoint, reason=reason, via="portal")
-    return redirect("trusty_portal:endpoint", pk=endpoint.id)
 
 
-@access.portal_view
-def endpoint_resume(request, tenant, pk):
-    if response := _post_only(request):
-        return response
-    endpoint = _endpoint(tenant, pk)
+@endpoint_action
+def endpoint_resume(request, endpoint):
     services.endpoint_resume(endpoint=endpoint, via="portal")
-    return redirect("trusty_portal:endpoint", pk=endpoint.id)
 
 
 # --- Deliveries --------------------------------------------------------------------------

@@ -11,7 +11,6 @@ Screenshots of each step go to ``test-output/portal/``.
 """
 
 import json
-import logging
 import re
 
 import pytest
@@ -23,6 +22,7 @@ from deliveries.models import AuditEntry, Delivery, EventType, EventTypeVersion
 from deliveries.portal import portal_url
 from tests.conftest import drain, make_due
 from tests.e2e.browser import TEST_OUTPUT, chromium_page, in_a_thread
+from tests.e2e.test_no_secrets_in_logs import assert_clean, captured  # noqa: F401 (a fixture)
 from tests.receiver import always
 
 SCREENSHOTS = TEST_OUTPUT / "portal"
@@ -34,36 +34,13 @@ def shot(page: Page, name: str) -> None:
     page.screenshot(path=SCREENSHOTS / f"{name}.png", full_page=True)
 
 
-class Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(level=logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(repr(vars(record)) + record.getMessage())
-
-
-@pytest.fixture
-def every_log_line():
-    capture = Capture()
-    root = logging.getLogger()
-    loggers = [root] + [logging.getLogger(n) for n in list(logging.root.manager.loggerDict)]
-    saved = [(lg, lg.level, lg.disabled) for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.DEBUG)
-        lg.disabled = False
-        if lg is root or not lg.propagate:
-            lg.addHandler(capture)
-    yield capture
-    for lg, level, disabled in saved:
-        lg.setLevel(level)
-        lg.disabled = disabled
-        lg.removeHandler(capture)
-
-
 @pytest.mark.django_db(transaction=True)
 def test_a_customer_runs_its_webhooks_from_the_portal(
-    live_server, settings, tenant, receiver, every_log_line
+    live_server,
+    settings,
+    tenant,
+    receiver,
+    captured,  # noqa: F811 (the fixture imported above)
 ):
     # The live server speaks plain HTTP: no secure-only cookies.
     settings.SESSION_COOKIE_SECURE = False
@@ -186,5 +163,5 @@ def test_a_customer_runs_its_webhooks_from_the_portal(
         AuditEntry.objects.filter(details__via="portal").values_list("action", flat=True)
     ) == ["delivery.replay", "endpoint.rotate_secret"]
     # The link's token appears in no log line of the whole run, the server's included.
-    assert any("/portal/enter/" in line for line in every_log_line.lines)
-    assert not [line for line in every_log_line.lines if token in line]
+    assert any("/portal/enter/" in line for line in captured.lines)
+    assert_clean(captured, token)
