@@ -488,3 +488,51 @@ def test_pausing_holds_the_deliveries_and_resuming_lets_them_flow(alice):
     assert list(
         AuditEntry.objects.filter(details__via="portal").values_list("action", flat=True)
     ) == ["endpoint.pause", "endpoint.resume"]
+
+
+HOSTILE = [
+    "\x00",
+    "a\x00b",
+    "x" * 10_000,
+    "-1",
+    "1e999",
+    "NaN",
+    "9" * 50,
+    "2026-02-30T25:61",
+    "\r\n",
+]
+FIELDS = [
+    "url",
+    "description",
+    "event_types",
+    "other_event_types",
+    "rate_limit",
+    "max_concurrency",
+    "overlap_hours",
+    "reason",
+    "since",
+    "endpoint",
+    "state",
+    "event_type",
+    "before",
+    "notification_email",
+    "token",
+]
+
+
+def test_hostile_values_in_every_field_of_every_page_are_answered_below_500(alice):
+    tenant, client = alice
+    endpoint, _ = services.endpoint_create(tenant=tenant, url="https://example.com/a")
+    delivery = Delivery.objects.get(event=services.endpoint_send_test(endpoint=endpoint))
+    routes = [fill(r, endpoint.id if "/endpoints/" in r else delivery.id) for r in portal_routes()]
+    routes = [r for r in routes if r != "/portal/leave/"] + ["/portal/enter/"]
+    sent = 0
+    for route in routes:
+        for value in HOSTILE:  # in every field at once: each form checks each field
+            for method in ("get", "post"):
+                r = getattr(client, method)(route, dict.fromkeys(FIELDS, value))
+                assert r.status_code < 500, (method, route, value[:20])
+                sent += 1
+    assert sent >= 250
+    endpoint.refresh_from_db()
+    assert endpoint.url == "https://example.com/a"
