@@ -102,6 +102,33 @@ def check_delivery_settings(app_configs, **kwargs):
     return errors
 
 
+@register()
+@on_readable_settings
+def check_portal_settings(app_configs, **kwargs):
+    """The portal's look and links: colours that are CSS colours (a setting must not
+    inject CSS), a link life the maximum allows, and the session middleware it needs."""
+    from .portal.theme import color_problems
+
+    errors = [Error(p, id="deliveries.E060") for p in color_problems(settings.PORTAL_COLORS)]
+    if not 1 <= settings.PORTAL_LINK_TTL <= settings.PORTAL_LINK_MAX_TTL:
+        errors.append(
+            Error(
+                "PORTAL_LINK_TTL must be at least 1 and at most PORTAL_LINK_MAX_TTL.",
+                id="deliveries.E061",
+            )
+        )
+    if "django.contrib.sessions.middleware.SessionMiddleware" not in settings.MIDDLEWARE:
+        errors.append(
+            Warning(
+                "The portal keeps its session in Django's sessions: without "
+                "django.contrib.sessions.middleware.SessionMiddleware in MIDDLEWARE its "
+                "links cannot open it.",
+                id="deliveries.W060",
+            )
+        )
+    return errors
+
+
 @register(Tags.security)
 @on_readable_settings
 def check_encryption_keys(app_configs, **kwargs):

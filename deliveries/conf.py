@@ -99,6 +99,25 @@ DEFAULTS: dict[str, object] = {
     # Tests and the soak only: the crash point (deliveries/jobs/faults.py) and its count.
     "FAULT_INJECT_AT": "",
     "FAULT_INJECT_AFTER": 1,
+    # The event catalogue: seconds a process trusts its cached copy of a type's schemas
+    # (0: read them at every publish; changes made in the same process apply at once).
+    "EVENT_SCHEMA_CACHE_SECONDS": 5.0,
+    # The most an endpoint may ask for, whoever sets it (the API, the portal, the
+    # services): a start rate (requests a second) and a concurrency.
+    "DELIVERY_ENDPOINT_RATE_CEILING": 1000.0,
+    "DELIVERY_ENDPOINT_CONCURRENCY_CEILING": 10_000,
+    # The customer portal (deliveries/portal/): a link's default and longest life, the
+    # portal session's length, the public base URL of portal_url() without a request,
+    # the look (title, logo, colours, an extra stylesheet) and who may frame it.
+    "PORTAL_LINK_TTL": 300,
+    "PORTAL_LINK_MAX_TTL": 86400,
+    "PORTAL_SESSION_SECONDS": 3600,
+    "PORTAL_BASE_URL": "",
+    "PORTAL_TITLE": "Webhooks",
+    "PORTAL_LOGO_URL": "",
+    "PORTAL_COLORS": {},
+    "PORTAL_CSS_URL": "",
+    "PORTAL_FRAME_ANCESTORS": (),
     # Requests per API key (DRF rate syntax), counted in the shared cache.
     "API_THROTTLE_RATE": "50/s",
     # Fernet keys, newest first; empty: one derived from SECRET_KEY (development only).
@@ -118,6 +137,9 @@ DEFAULTS: dict[str, object] = {
     "ALERTS_EMAIL_FROM": "",
     "ALERTS_DEAD_LETTER_THRESHOLD": 1,
     "ALERTS_RESOLVE_AFTER": 3600.0,
+    # Tenants are told when an endpoint has been failing this many seconds (it is
+    # disabled after DELIVERY_DISABLE_AFTER); 0: never for failing, only when disabled.
+    "TENANT_NOTIFY_FAILING_AFTER": 3600.0,
     # Retention: days of terminal deliveries, outbox rows and events; seconds an event with
     # an Idempotency-Key is kept at least; days of loop runs and operational events.
     "RETENTION_DELIVERIES_DAYS": 30.0,
@@ -159,6 +181,11 @@ UNITS: dict[str, timedelta] = {
     "RETENTION_DELIVERIES_DAYS": timedelta(days=1),
     "IDEMPOTENCY_KEY_RETENTION": SECOND,
     "RETENTION_OPERATIONS_DAYS": timedelta(days=1),
+    "EVENT_SCHEMA_CACHE_SECONDS": SECOND,
+    "PORTAL_LINK_TTL": SECOND,
+    "PORTAL_LINK_MAX_TTL": SECOND,
+    "PORTAL_SESSION_SECONDS": SECOND,
+    "TENANT_NOTIFY_FAILING_AFTER": SECOND,
 }
 
 MISTYPED = "deliveries.E040"

@@ -113,6 +113,17 @@ OPERATIONAL_EVENTS = Counter(
     "Operational events (incidents) opened, by kind.",
     ["kind"],
 )
+EVENT_SCHEMA_MISMATCHES = Counter(
+    "webhooks_event_schema_mismatches_total",
+    "Published payloads that did not match their type's schema, by type and mode (reject: "
+    "refused; warn: published anyway). Only catalogued types with a schema count.",
+    ["event_type", "mode"],
+)
+TENANT_NOTIFICATIONS = Counter(
+    "webhooks_tenant_notifications_total",
+    "Notifications sent to tenants about their endpoints, by kind, channel and outcome.",
+    ["kind", "channel", "outcome"],
+)
 PRUNED_ROWS = Counter(
     "webhooks_pruned_rows_total",
     "Rows deleted by retention, by table.",

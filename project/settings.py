@@ -189,6 +189,8 @@ def _from_env(name: str, default):
         return env.int(name, default=default)
     if isinstance(default, float):
         return env.float(name, default=default)
+    if isinstance(default, dict):  # NAME=value,NAME=value
+        return env.dict(name, default=dict(default))
     if isinstance(default, tuple):
         cast = type(default[0]) if default else str
         return env.list(name, cast=cast, default=list(default))

@@ -69,6 +69,14 @@ def _fresh_source_cache():
     forget_sources()
 
 
+@pytest.fixture(autouse=True)
+def _fresh_schema_cache():
+    # The same for the event catalogue's schemas (deliveries.catalogue).
+    from deliveries.catalogue import forget_schemas
+
+    forget_schemas()
+
+
 @pytest.fixture
 def receiver():
     r = Receiver().start()

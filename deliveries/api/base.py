@@ -63,6 +63,17 @@ class ApiRoot(Public, routers.APIRootView):
 class ApiRouter(routers.DefaultRouter):
     APIRootView = ApiRoot
 
+    def get_api_root_view(self, api_urls=None):
+        # The root links the collections, the routes a GET lists: not an action-only
+        # route such as portal-link (POST only).
+        list_name = self.routes[0].name
+        collections = {
+            prefix: list_name.format(basename=basename)
+            for prefix, viewset, basename in self.registry
+            if hasattr(viewset, "list")
+        }
+        return self.APIRootView.as_view(api_root_dict=collections)
+
 
 def product_endpoints_only(endpoints):
     """drf-spectacular preprocessing hook: the schema shows this API's routes, not the
@@ -88,6 +99,11 @@ def extend_schema(**kwargs):
 # The schema of this API alone, under this API's own title.
 SCHEMA_SETTINGS = {
     "PREPROCESSING_HOOKS": ["deliveries.api.base.product_endpoints_only"],
+    # Every operation's error answers, in the one error shape (deliveries.api.errors).
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "deliveries.api.errors.document_errors",
+    ],
     # Operation ids and tags from the path after api/ (v1_deliveries_list), wherever the
     # host mounted the API.
     "SCHEMA_PATH_PREFIX": r"/(?:.*/)?api/",

@@ -49,6 +49,8 @@ def accepted(default, unit):
             ([b"a", "", " "], ("a",)),
             ([], ()),
         ]
+    if isinstance(default, dict):
+        return [({"a": "1"}, {"a": "1"}), ({}, {})]
     if isinstance(default, bool):
         return [
             (True, True),
@@ -70,6 +72,8 @@ def accepted(default, unit):
 def refused(default, unit):
     """Values of no form of the setting's type."""
     common = [{SECRET: 1}, object()]
+    if isinstance(default, dict):
+        return [object(), 5, [SECRET], True, SECRET]
     if isinstance(default, tuple):
         if default and isinstance(default[0], float):
             return [*common, 5, {5.0}, [SECRET], [True], [5, None], [float("nan")]]
@@ -134,6 +138,8 @@ def test_the_environment_form_of_every_setting_reads_as_the_same_python_value(mo
         environ, python = ("5,300.5", [5, 300.5]) if default else ("a, b", ["a", "b"])
     elif isinstance(default, bool):
         environ, python = ("false", False) if default else ("true", True)
+    elif isinstance(default, dict):
+        environ, python = "a=1,b=2", {"a": "1", "b": "2"}
     elif isinstance(default, int | float):
         environ, python = str(default + 1), default + 1
     else:
@@ -217,7 +223,6 @@ def test_install_md_names_the_type_of_every_list_duration_and_flag():
 
 
 def test_a_dict_setting_takes_a_mapping_and_nothing_else():
-    # No app setting is a dict today; the next one is read like the others.
     assert read_setting("X", {"a": 1}, {}) == {"a": 1}
     assert read_setting("X", None, {"b": 2}) == {"b": 2}
     for written in ("a=1", [("a", 1)], 5):

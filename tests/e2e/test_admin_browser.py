@@ -11,66 +11,25 @@ browser download is never used. A screenshot of each step is saved under
 """
 
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 from django.contrib.auth import get_user_model
-from playwright.sync_api import Page, sync_playwright
+from playwright.sync_api import Page
 
 from deliveries import services
 from deliveries.models import Attempt, AuditEntry, Delivery, EventType
-from tests.conftest import drain, in_thread
+from tests.conftest import drain
+from tests.e2e.browser import TEST_OUTPUT, chromium_page, in_a_thread
 from tests.receiver import always, fail_first
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--no-sandbox",  # the suite runs as root, where Chromium's sandbox cannot start
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-SCREENSHOTS = Path(__file__).resolve().parents[2] / "test-output" / "admin-browser"
+SCREENSHOTS = TEST_OUTPUT / "admin-browser"
 PASSWORD = "correct-horse-battery-staple"
-TIMEOUT_MS = 10_000
 
 pytestmark = pytest.mark.slow
 
 
-@contextmanager
-def chromium_page() -> Iterator[Page]:
-    """A page in headless Debian Chromium. Playwright's sync API runs an event loop in
-    this thread while it is open, so Django refuses ORM calls here until it closes: set
-    up the data first and touch the database from another thread meanwhile."""
-    if not CHROMIUM.exists():
-        pytest.fail(
-            f"{CHROMIUM} is missing: this test drives Debian's chromium package "
-            "(apt-get install -y chromium); `make test` installs it."
-        )
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
-        )
-        page = browser.new_page(viewport={"width": 1700, "height": 1000})
-        page.set_default_timeout(TIMEOUT_MS)
-        yield page
-        browser.close()
-
-
 def drain_in_a_thread() -> None:
-    """``drain()`` while the browser is open: the ORM and ``asyncio.run`` both refuse to
-    run beside the Playwright sync API's event loop in this thread."""
-    errors: list[BaseException] = []  # re-raised in the test's thread
-    thread = in_thread(drain, errors)
-    thread.join(30)
-    assert not thread.is_alive(), "the pipeline did not drain within 30 s"
-    if errors:
-        raise errors[0]
+    in_a_thread(drain)
 
 
 def shot(page: Page, name: str) -> None:
@@ -107,7 +66,7 @@ def test_an_operator_replays_a_failed_delivery_and_sees_the_new_attempt(
 
     admin = live_server.url + "/admin/"
     detail = admin + f"deliveries/delivery/{delivery.id}/change/"
-    with chromium_page() as page:
+    with chromium_page(SCREENSHOTS) as page:
         page.goto(admin + "login/?next=/admin/")
         page.fill("#id_username", "operator")
         page.fill("#id_password", PASSWORD)

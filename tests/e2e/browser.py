@@ -1,0 +1,58 @@
+"""Headless Debian Chromium driven by Playwright, for the tests that use pages as a
+person does (the admin, the customer portal). The browser is Debian's ``chromium``
+package (``make test`` installs it); Playwright's own browser download is never used."""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Page, sync_playwright
+
+from tests.conftest import drain, in_thread
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",  # the suite runs as root, where Chromium's sandbox cannot start
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+TEST_OUTPUT = Path(__file__).resolve().parents[2] / "test-output"
+TIMEOUT_MS = 10_000
+
+
+@contextmanager
+def chromium_page(screenshots: Path) -> Iterator[Page]:
+    """A page in headless Debian Chromium. Playwright's sync API runs an event loop in
+    this thread while it is open, so Django refuses ORM calls here until it closes: set
+    up the data first and touch the database from another thread meanwhile."""
+    if not CHROMIUM.exists():
+        pytest.fail(
+            f"{CHROMIUM} is missing: this test drives Debian's chromium package "
+            "(apt-get install -y chromium); `make test` installs it."
+        )
+    screenshots.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
+        )
+        page = browser.new_page(viewport={"width": 1700, "height": 1000})
+        page.set_default_timeout(TIMEOUT_MS)
+        yield page
+        browser.close()
+
+
+def in_a_thread(fn=drain) -> None:
+    """``fn()`` (the pipeline's ``drain`` by default) while the browser is open: the ORM
+    and ``asyncio.run`` both refuse to run beside the Playwright sync API's event loop in
+    this thread."""
+    errors: list[BaseException] = []  # re-raised in the test's thread
+    thread = in_thread(fn, errors)
+    thread.join(30)
+    assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} did not finish within 30 s"
+    if errors:
+        raise errors[0]
