@@ -35,14 +35,13 @@ import hmac
 import logging
 import socket
 import ssl
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from aiosmtpd.smtp import SMTP, AuthResult, LoginPassword
-from django.db import close_old_connections, connection
+from django.db import close_old_connections, connections
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
@@ -131,7 +130,12 @@ class Listener:
         self.hostname = settings.SMTP_HOSTNAME or socket.gethostname()
         self.tls = tls_context()
         self.dnsfunc = dkim_resolver()
-        self.pool = ThreadPoolExecutor(settings.SMTP_STORE_THREADS, thread_name_prefix="smtp")
+        self.connections: list = []
+        self.pool = ThreadPoolExecutor(
+            settings.SMTP_STORE_THREADS,
+            thread_name_prefix="smtp",
+            initializer=self._remember_connection,
+        )
         self.sessions: set[Session] = set()
         self.source: Source | None = None
         self.credentials: list[bytes] = []
@@ -222,19 +226,20 @@ class Listener:
         for session in list(self.sessions):
             await session.goodbye()
 
+    def _remember_connection(self) -> None:
+        # Run once in each pool thread: its database connections, closed at the end.
+        self.connections.extend(connections.all())
+
     async def _close_pool(self) -> None:
-        # Each thread closes its own database connection (a connection belongs to its
-        # thread); the barrier makes every thread of the pool take one task.
-        threads = settings.SMTP_STORE_THREADS
-        barrier = threading.Barrier(threads)
+        await asyncio.get_running_loop().run_in_executor(None, self._end_pool)
 
-        def close() -> None:
-            with contextlib.suppress(threading.BrokenBarrierError):
-                barrier.wait(timeout=5)
-            connection.close()
-
-        await asyncio.gather(*(self._in_pool(close) for _ in range(threads)))
+    def _end_pool(self) -> None:
+        """Wait for the pool's threads, then close the database connections each one
+        opened (a connection belongs to its thread, which has ended by then)."""
         self.pool.shutdown(wait=True)
+        for wrapper in self.connections:
+            wrapper.inc_thread_sharing()
+            wrapper.close()
 
     # --- Refusals ---------------------------------------------------------------------
 
@@ -294,7 +299,8 @@ class Listener:
     async def handle_DATA(self, server, session, envelope):
         server.storing = True  # until the answer is written (Session.push)
         peer = session.peer[0] if isinstance(session.peer, tuple) else str(session.peer or "")
-        login = session.login_data.decode("utf-8", "replace") if session.login_data else ""
+        auth = session.auth_data
+        login = auth.login.decode("utf-8", "replace") if isinstance(auth, LoginPassword) else ""
         try:
             received = await self._in_pool(
                 self._store,
