@@ -575,8 +575,16 @@ def _finish(
     ).update(**fields)
 
 
-def inbound_reprocess(*, event_ids: Sequence[uuid.UUID], actor=None) -> int:
-    """Process events again (staff), audited; the handlers must be idempotent for it."""
+def inbound_reprocess(
+    *,
+    event_ids: Sequence[uuid.UUID],
+    actor=None,
+    action: str = "inbound.reprocess",
+    target: str = "inbound_event",
+) -> int:
+    """Process events again (staff), audited as ``action`` on ``target`` (the inbound
+    emails' page audits its own); the handlers must be idempotent for it. Rejected and
+    unfinished events are left as they are."""
     from deliveries.services import audit
 
     now = timezone.now()
@@ -587,8 +595,8 @@ def inbound_reprocess(*, event_ids: Sequence[uuid.UUID], actor=None) -> int:
         ).update(state=InboundState.PENDING, next_attempt_at=now, attempt_count=0)
         audit(
             actor=actor,
-            action="inbound.reprocess",
-            target="inbound_event",
+            action=action,
+            target=target,
             count=n,
             ids=[str(i) for i in list(event_ids)[:100]],
         )
