@@ -51,8 +51,10 @@ def post(source, raw, *, recipients=("support@example.com",), secret=None, times
     )
     extra = {f"HTTP_{k.upper().replace('-', '_')}": v for k, v in headers.items()}
     extra.pop("HTTP_CONTENT_TYPE")
+    # Mailgun's raw-MIME post goes only to a URL ending in "mime".
+    path = f"/ingest/{source.slug}/" + ("mime" if source.scheme == "mailgun" else "")
     return Client(REMOTE_ADDR=remote).post(
-        f"/ingest/{source.slug}/",
+        path,
         body,
         content_type=headers["content-type"],
         secure=secure,
@@ -162,6 +164,26 @@ def test_a_flood_of_posts_from_one_sender_is_answered_429(provider, settings):
     assert codes == [200, 200, 429]
     assert InboundEvent.objects.count() == 2
     assert refusals(provider) == {"sender_rate_limited": 1}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"addresses": "support@example.com"},  # a list, not one string
+        {"addresses": ["no-at-sign"]},
+        {"separator": "++"},
+        {"entity_header": "Subject"},  # without its pattern
+        {"entity_header": "Subject", "entity_pattern": "(unclosed"},
+        {"allow_ips": ["not-a-network"]},
+        {"allow_http": "yes"},
+        {"header": "x-signature"},  # another scheme's option
+    ],
+)
+def test_mail_source_options_are_checked_when_the_source_is_made(options):
+    with pytest.raises(ValueError):
+        source_create(slug="bad", scheme="sendgrid", secrets=[CREDENTIAL], options=options)
+    with pytest.raises(ValueError):  # and an smtp source without addresses takes no mail
+        source_create(slug="bad", scheme="smtp", secrets=[], options={})
 
 
 # --- Authentication evidence ------------------------------------------------------------
