@@ -85,6 +85,17 @@ _HEADER_D = re.compile(r"header\.d\s*=\s*([^\s;]+)", re.IGNORECASE)
 # this: a small bomb cannot cost more).
 ARCHIVE_PEEK_BYTES = 1024 * 1024
 ARCHIVE_MAX_MEMBERS = 1000
+# Archive formats by their first bytes (tar's mark is at offset 257, below).
+_MAGIC = (
+    (b"PK\x03\x04", "zip"),
+    (b"PK\x05\x06", "zip"),
+    (b"\x1f\x8b", "gzip"),
+    (b"BZh", "bzip2"),
+    (b"\xfd7zXZ\x00", "xz"),
+    (b"7z\xbc\xaf\x27\x1c", "7z"),
+    (b"Rar!\x1a\x07", "rar"),
+    (b"MSCF", "cab"),
+)
 _ARCHIVE_SUFFIXES = (
     ".zip", ".jar", ".gz", ".tgz", ".tar", ".bz2", ".tbz", ".xz", ".txz", ".7z", ".rar",
     ".cab", ".arj", ".lz", ".lzma", ".zst", ".z", ".iso",
@@ -413,21 +424,9 @@ def entity_for(
 
 def archive_kind(data: bytes, filename: str = "") -> str | None:
     """The archive format ``data`` is in (by its first bytes, else its name), or None."""
-    head = data[:300]
-    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
-        return "zip"
-    if head.startswith(b"\x1f\x8b"):
-        return "gzip"
-    if head.startswith(b"BZh"):
-        return "bzip2"
-    if head.startswith(b"\xfd7zXZ\x00"):
-        return "xz"
-    if head.startswith(b"7z\xbc\xaf\x27\x1c"):
-        return "7z"
-    if head.startswith(b"Rar!\x1a\x07"):
-        return "rar"
-    if head.startswith(b"MSCF"):
-        return "cab"
+    for magic, kind in _MAGIC:
+        if data.startswith(magic):
+            return kind
     if len(data) > 262 and data[257:262] == b"ustar":
         return "tar"
     if filename.lower().endswith(_ARCHIVE_SUFFIXES):

@@ -312,6 +312,15 @@ class Scheme:
         Secrets that cannot be keys (empty, or not base64 where the scheme needs it) are
         skipped; with none left the reason is ``no_secret``.
         """
+        keys = self._keys(secrets)
+        candidates, timestamp, content = self._offered(request)
+        if not _any_match(candidates, (_hmac(k, content, self.algorithm) for k in keys)):
+            raise VerificationFailed("bad_signature")
+        if timestamp is not None:
+            _check_window(int(timestamp), now, tolerance)
+
+    def _keys(self, secrets: Sequence[str]) -> list[bytes]:
+        """The keys of the configured secrets that can be keys; ``no_secret`` if none."""
         if isinstance(secrets, str | bytes):
             # A bare string is a Sequence of one-character secrets: refuse, loudly.
             raise TypeError("secrets must be a sequence of secrets, not one string")
@@ -323,11 +332,7 @@ class Scheme:
                 continue
         if not keys:
             raise VerificationFailed("no_secret")
-        candidates, timestamp, content = self._offered(request)
-        if not _any_match(candidates, (_hmac(k, content, self.algorithm) for k in keys)):
-            raise VerificationFailed("bad_signature")
-        if timestamp is not None:
-            _check_window(int(timestamp), now, tolerance)
+        return keys
 
     def _offered(self, request: Request) -> tuple[list[bytes], str | None, bytes]:
         """(offered MACs, timestamp as sent or None, signed content); raises
@@ -1067,14 +1072,7 @@ class _BasicAuth(EmailScheme):
     def _authenticate(
         self, request: Request, *, secrets: Sequence[str], now: float, tolerance: int
     ) -> None:
-        keys = []
-        for secret in secrets:
-            try:
-                keys.append(self.signing_key(secret))
-            except ValueError:
-                continue
-        if not keys:
-            raise VerificationFailed("no_secret")
+        keys = self._keys(secrets)
         if not request.secure and not self.allow_http:
             raise VerificationFailed("insecure_transport")
         kind, _, value = _signature_header(request, "authorization").partition(" ")
