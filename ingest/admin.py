@@ -179,9 +179,10 @@ class InboundEmailAdmin(ReadOnlyAdmin):
     @admin.display(description="headers")
     def raw_headers(self, email):
         head = bytes(email.event.body).split(b"\r\n\r\n", 1)[0][:20_000]
+        lines = head.decode("utf-8", "replace").splitlines()
         return format_html(
             "<pre style='white-space:pre-wrap'>{}</pre>",
-            mail.clean(head.decode("utf-8", "replace")),
+            "\n".join(mail.clean(line) for line in lines),
         )
 
 

@@ -360,6 +360,21 @@ def test_an_entity_can_come_from_a_header_pattern():
     assert InboundEvent.objects.get().entity_id == "4711"
 
 
+@pytest.mark.parametrize("provider", ["sendgrid"], indirect=True)
+def test_the_raw_message_is_kept_under_the_inbound_retention(provider, settings):
+    from deliveries.retention import prune
+
+    settings.RETENTION_INBOUND_DAYS = 1
+    settings.INBOUND_DEDUPE_WINDOW = 86400
+    post(provider, message(), recipients=["support@example.com"])
+    post(provider, message(subject="=?utf-8?q?a=0Ab?="))  # stored rejected
+    old = timezone.now() - timedelta(days=2)
+    InboundEvent.objects.update(received_at=old, state="processed")
+    InboundEvent.objects.filter(last_error__startswith="rejected").update(state="rejected")
+    assert prune(only=["inbound_events"])["inbound_events"] == 2
+    assert not InboundEvent.objects.exists() and not InboundEmail.objects.exists()
+
+
 # --- Admin and metrics ------------------------------------------------------------------
 
 
