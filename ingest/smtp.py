@@ -84,6 +84,7 @@ SHUTTING_DOWN = "421 4.3.2 Service shutting down, try again later"
 # every failure is counted), anything else a thousand.
 COMMAND_LIMITS = {"AUTH": 3, "*": 1000}
 REFRESH_SECONDS = 5.0
+NULL_SENDER = "<>"  # as aiosmtpd hands over MAIL FROM:<>
 
 
 def refusal_reason(status: str) -> str | None:
@@ -175,7 +176,9 @@ class Listener:
         source = self.source
         return Session(
             self,
-            data_size_limit=source.max_body_bytes if source else 0,
+            # No source (disabled meanwhile): every recipient is refused anyway, and 1, not
+            # 0, which aiosmtpd would read as no limit.
+            data_size_limit=source.max_body_bytes if source else 1,
             hostname=self.hostname,
             tls_context=self.tls,
             require_starttls=bool(self.tls) and settings.SMTP_REQUIRE_TLS,
@@ -269,10 +272,13 @@ class Listener:
         return AuthResult(success=matched, handled=False, auth_data=auth_data)
 
     async def handle_MAIL(self, server, session, envelope, address, mail_options):
-        if problem := mail.address_problem(address):
-            return REPLIES[problem]
-        if await self._in_pool(self._throttled, address, ""):
-            return REPLIES["sender_rate_limited"]
+        # "<>" is the null sender of bounces and auto-replies, which a receiver must take
+        # (RFC 5321, 4.5.5); it is stored as an empty sender and has no rate of its own.
+        if address != NULL_SENDER:
+            if problem := mail.address_problem(address):
+                return REPLIES[problem]
+            if await self._in_pool(self._throttled, address, ""):
+                return REPLIES["sender_rate_limited"]
         envelope.mail_from = address
         envelope.mail_options.extend(mail_options)
         return "250 2.1.0 OK"
@@ -325,7 +331,11 @@ class Listener:
         evidence = mail.dkim_verdict(raw, self.dnsfunc) if self.dnsfunc else None
         received = email_receive(
             source=self.source,
-            post=MailPost(raw=raw, recipients=tuple(recipients), mail_from=mail_from),
+            post=MailPost(
+                raw=raw,
+                recipients=tuple(recipients),
+                mail_from="" if mail_from == NULL_SENDER else mail_from,
+            ),
             transport=InboundEmail.Transport.SMTP,
             remote=peer,
             tls=tls,

@@ -65,6 +65,9 @@ def source_create(
     fields.setdefault("max_body_bytes", verifier.default_max_body_bytes)
     if scheme == "smtp" and not verifier.addresses:
         raise ValueError("an smtp source needs 'addresses': the listener refuses all others")
+    if verifier.is_email:
+        for secret in secrets:
+            verifier.signing_key(secret)  # "user:password" where a credential is one
     with transaction.atomic():
         source = Source.objects.create(slug=slug, scheme=scheme, options=options or {}, **fields)
         for secret in secrets:

@@ -11,6 +11,12 @@ chunked body (400), signature over the raw bytes (401, generic body), then parse
 stored as rejected since it was authentic: also when its id, type or entity holds text
 the database refuses), then one short transaction that inserts the event or counts a
 duplicate (200 either way).
+
+A mail source's post (Mailgun, Postmark, SendGrid) takes the same checks up to the
+signature, then ``receiving.email_post_receive``: the message it carries is checked and
+stored per recipient (200 with ``accepted``, ``duplicate`` or ``rejected``), a post
+without one is a 400, a sender's or recipient's flood a 429. Mailgun posts raw messages
+only to a URL ending in ``mime``, so ``/ingest/<slug>/mime`` is this view too.
 """
 
 import logging

@@ -184,6 +184,8 @@ def test_mail_source_options_are_checked_when_the_source_is_made(options):
         source_create(slug="bad", scheme="sendgrid", secrets=[CREDENTIAL], options=options)
     with pytest.raises(ValueError):  # and an smtp source without addresses takes no mail
         source_create(slug="bad", scheme="smtp", secrets=[], options={})
+    with pytest.raises(ValueError):  # a basic-auth credential is user:password
+        source_create(slug="bad", scheme="postmark", secrets=["no-colon"], options={})
 
 
 # --- Authentication evidence ------------------------------------------------------------
@@ -429,3 +431,22 @@ def test_metrics_count_received_duplicate_rejected_and_refused(provider):
     assert delta(refused, source="mailgun", reason="bad_signature") == 1
     assert delta(refused, source="mailgun", reason="header_injection") == 1
     assert json.loads(json.dumps(refusals(provider))) == {"bad_signature": 1, "header_injection": 1}
+
+
+def test_create_source_makes_mail_sources():
+    from io import StringIO
+
+    from django.core.management import CommandError, call_command
+
+    from ingest.models import Source
+
+    out = StringIO()
+    options = '{"addresses": ["support@example.com"]}'
+    call_command("create_source", "mx", "--scheme", "smtp", "--options", options, stdout=out)
+    assert "manage.py run_smtp --source mx" in out.getvalue()
+    mx = Source.objects.get(slug="mx")
+    assert (mx.scheme, mx.max_body_bytes, mx.secrets.count()) == ("smtp", 10 * 1024 * 1024, 0)
+    with pytest.raises(CommandError, match="needs --secret"):
+        call_command("create_source", "pm", "--scheme", "postmark")
+    call_command("create_source", "pm", "--scheme", "postmark", "--secret", CREDENTIAL, stdout=out)
+    assert Source.objects.get(slug="pm").max_body_bytes == 25 * 1024 * 1024

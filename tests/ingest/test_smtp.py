@@ -163,6 +163,12 @@ def test_hostile_mail_is_stored_rejected_with_its_reason_and_no_job(listener, sm
     assert refusals(smtp_source) == {reason: 1}
 
 
+def test_the_null_sender_of_a_bounce_is_taken(listener):
+    with smtp_client(listener.bound_port) as client:
+        assert client.sendmail("<>", ["support@example.com"], message(subject="Undelivered")) == {}
+    assert InboundEmail.objects.get().mail_from == ""
+
+
 def test_an_address_with_a_control_character_is_refused_before_data(listener, smtp_source):
     with smtp_client(listener.bound_port) as client:
         client.ehlo()
