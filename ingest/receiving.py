@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
+from django.core.cache import cache
 from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
@@ -215,6 +216,13 @@ def email_post_receive(*, source: Source, request: Request) -> MailPostReceived:
         INBOUND_SIGNATURE_FAILURES.labels(source.slug, exc.reason).inc()
         count_refusal(source, exc.reason, remote=request.remote)
         return MailPostReceived(401)
+    token = scheme.replay_key(request)
+    # Remembered in the shared cache for longer than the replay window, once stored.
+    seen = f"mail-token:{source.id}:{hashlib.sha256(token.encode()).hexdigest()}"
+    if token and cache.get(seen):
+        INBOUND_SIGNATURE_FAILURES.labels(source.slug, "replayed_token").inc()
+        count_refusal(source, "replayed_token", remote=request.remote)
+        return MailPostReceived(401)
     try:
         post = scheme.mail(request)
     except UnparseableBody as exc:
@@ -232,6 +240,8 @@ def email_post_receive(*, source: Source, request: Request) -> MailPostReceived:
         remote=request.remote,
         tls=request.secure,
     )
+    if token:
+        cache.set(seen, 1, timeout=2 * source.replay_tolerance + 60)
     return MailPostReceived(200, received)
 
 

@@ -59,6 +59,7 @@ REASONS = frozenset(
         # Mail providers' posts (basic auth, an optional IP allow-list, Mailgun's tokens).
         "ip_not_allowed",
         "insecure_transport",
+        "replayed_token",
     }
 )
 
@@ -978,6 +979,12 @@ class EmailScheme(Scheme):
         """The message a verified post carries; UnparseableBody if there is none."""
         raise NotImplementedError
 
+    def replay_key(self, request: Request) -> str:
+        """What makes a verified post unique when its signature does not cover the
+        message (Mailgun's token): the receive path refuses a second post with it. ""
+        when the scheme has none."""
+        return ""
+
     def post(
         self,
         *,
@@ -1113,6 +1120,9 @@ class Mailgun(EmailScheme):
         if mac is None or len(mac) != 32 or not token:
             raise VerificationFailed("malformed_signature")
         return [mac], timestamp, timestamp.encode() + token
+
+    def replay_key(self, request: Request) -> str:
+        return _form_fields(request).get("token", b"").decode("ascii", "replace")
 
     def mail(self, request: Request) -> MailPost:
         fields = _form_fields(request)

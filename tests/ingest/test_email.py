@@ -123,6 +123,27 @@ def test_a_stale_post_is_refused(provider):
     assert InboundEvent.objects.count() == (0 if provider.scheme == "mailgun" else 1)
 
 
+@pytest.mark.parametrize("provider", ["mailgun"], indirect=True)
+def test_a_mailgun_token_is_taken_once(provider):
+    """Mailgun signs its timestamp and token, not the message: a captured post's
+    signature on another message is refused within the window too."""
+    scheme = get_scheme("mailgun")
+    body, headers = scheme.post(
+        raw=message(subject="genuine"),
+        recipients=["support@example.com"],
+        mail_from="a@example.org",
+        secret=SECRETS["mailgun"],
+    )
+    swapped = body.replace(b"Subject: genuine", b"Subject: swapped")
+    answers = [
+        Client().post("/ingest/mailgun/mime", b, content_type=headers["content-type"]).status_code
+        for b in (body, swapped)
+    ]
+    assert answers == [200, 401]
+    assert list(InboundEmail.objects.values_list("subject", flat=True)) == ["genuine"]
+    assert refusals(provider) == {"replayed_token": 1}
+
+
 @pytest.mark.parametrize("provider", ["postmark", "sendgrid"], indirect=True)
 def test_basic_auth_is_refused_over_plain_http_and_outside_the_allow_list(provider):
     assert post(provider, message(), secure=False).status_code == 401
