@@ -142,6 +142,8 @@ class Listener:
         self.credentials: list[bytes] = []
         self.refusals: Counter = Counter()
         self.refused_from: dict[str, str] = {}
+        # What the run did (its LoopRun's counts): messages stored, by outcome, refusals.
+        self.counts: Counter = Counter()
         self.bound_port: int | None = None
 
     # --- Configuration, read in the pool --------------------------------------------
@@ -248,6 +250,7 @@ class Listener:
 
     def refused(self, reason: str, peer: str) -> None:
         self.refusals[reason] += 1
+        self.counts["refused"] += 1
         self.refused_from[reason] = peer
 
     def _flush_refusals(self) -> None:
@@ -322,6 +325,8 @@ class Listener:
                 "smtp store failed", extra={"action": "smtp.store_failed", "source": self.slug}
             )
             return REPLIES["store_failed"]
+        self.counts["messages"] += 1
+        self.counts[received.outcome] += 1
         if received.outcome == "rejected":
             return f"554 5.6.0 Message rejected: {received.reason}"
         return f"250 2.0.0 OK: queued as {received.event_ids[0]}"

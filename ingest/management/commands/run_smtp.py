@@ -1,10 +1,14 @@
 import asyncio
+import logging
 import signal
 
 from django.core.management.base import BaseCommand, CommandError
 
+from deliveries.jobs.loop import StopFlag, recorded_run
 from ingest.models import Source
 from ingest.smtp import Listener
+
+logger = logging.getLogger("ingest.smtp")
 
 
 class Command(BaseCommand):
@@ -34,17 +38,34 @@ class Command(BaseCommand):
             self.stdout.write(f"listening on {listener.host}:{bound} for source {slug}")
             self.stdout.flush()
 
+        # Until the event loop takes them over, a SIGTERM while the run is being
+        # recorded (the database may be away) stops the command as the loops do.
+        flag = StopFlag()
+        flag.install()
+
         async def main() -> None:
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
+            if flag.is_set:
+                stop.set()
             await listener.run(stop, ready)
 
-        try:
-            asyncio.run(main())
-        except ValueError as exc:
-            raise CommandError(str(exc)) from exc
+        def progress():
+            # Read by the heartbeat's thread: messages stored, and what became of them.
+            return listener.counts["messages"], dict(listener.counts)
+
+        with recorded_run("smtp", flag, progress) as run:
+            if run is None:
+                return
+            try:
+                asyncio.run(main())
+            except ValueError as exc:
+                raise CommandError(str(exc)) from exc
+        logger.info(
+            "smtp counts", extra={"action": "smtp.counts", "run_id": str(run.id), **listener.counts}
+        )
         self.stdout.write("stopped")
 
     @staticmethod
