@@ -81,6 +81,7 @@ _LOCAL = re.compile(r"[!#$%&'*+/=?^_`{|}~A-Za-z0-9.-]+")
 _RESULT = re.compile(r"(?:^|;)\s*(spf|dkim|dmarc|arc)\s*=\s*([a-z]+)", re.IGNORECASE)
 _HEADER_D = re.compile(r"header\.d\s*=\s*([^\s;]+)", re.IGNORECASE)
 
+MAX_HEADER_BYTES = 256 * 1024
 # How far into a compressed attachment the archive check reads (it never inflates past
 # this: a small bomb cannot cost more).
 ARCHIVE_PEEK_BYTES = 1024 * 1024
@@ -169,6 +170,10 @@ def _inspect(raw: bytes, limits: Limits) -> Inspected:
     head = raw[:2048].lstrip(b"\r\n")
     if not re.match(rb"[!-9;-~]+:", head):  # a header name, then a colon
         raise Rejected("malformed_mime", "no header")
+    if len(raw) > MAX_HEADER_BYTES and not re.search(rb"\r?\n\r?\n", raw[:MAX_HEADER_BYTES]):
+        # Header parsing is where the email package's worst cases live: real mail's
+        # header block is a few kilobytes.
+        raise Rejected("malformed_mime", f"a header block over {MAX_HEADER_BYTES} bytes")
     message = parse(raw)
     parts = _walk(message, limits)
     for part in parts:

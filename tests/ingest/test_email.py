@@ -285,6 +285,7 @@ INJECTED = "Reply-To: =?utf-8?b?eA0KQmNjOiB2QGV4YW1wbGUub3Jn?= <x@example.org>\r
 REFUSED = {
     "header_injection": message(headers=INJECTED),
     "malformed_mime": b"\x00\x01 not a message at all",
+    "malformed_mime (huge header block)": b"X-Filler: a\r\n" * 30_000 + b"\r\nbody",
     "too_many_attachments": _attached(*[(f"{n}.txt", b"x") for n in range(4)]),
     "attachment_too_large": _attached(("big.bin", b"x" * 1001)),
     "nested_archive": _attached(("a.zip", _zip(("inner.tar.gz", b"\x1f\x8b\x08\x00")))),
@@ -298,7 +299,7 @@ def test_each_rule_refuses_with_its_reason(reason):
     limits = LIMITS if reason != "too_many_parts" else mail.Limits(max_parts=4)
     with pytest.raises(mail.Rejected) as refused:
         mail.inspect(REFUSED[reason], limits)
-    assert refused.value.reason == reason
+    assert refused.value.reason == reason.split()[0]
 
 
 def test_a_single_archive_and_ordinary_mail_pass():
