@@ -46,13 +46,14 @@ from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from deliveries.jobs.faults import crash_point
+from deliveries.prometheus import INBOUND_REFUSED
 
 from . import mail
 from .conf import settings
 from .models import InboundEmail, Source
 from .receiving import MailReceived, email_receive
 from .schemes import MailPost
-from .sources import count_refusal, email_throttle, live_secrets, source_for
+from .sources import email_throttle, live_secrets, record_refusal, source_for
 
 logger = logging.getLogger("ingest.smtp")
 
@@ -166,7 +167,7 @@ class Listener:
             await asyncio.sleep(REFRESH_SECONDS)
             try:
                 await self._in_pool(self._load)
-                await self._in_pool(self._flush_refusals)
+                await self._flush_refusals()
             except RuntimeError:  # the pool is shut down: the process is ending
                 return
             except Exception:
@@ -192,7 +193,34 @@ class Listener:
         )
 
     async def run(self, stop: asyncio.Event, ready: Callable[[int], None] | None = None) -> None:
-        await self._in_pool(self._load)
+        try:
+            await self._in_pool(self._load)
+            self._check()
+            loop = asyncio.get_running_loop()
+            server = await loop.create_server(self.session, self.host, self.port)
+            self.bound_port = server.sockets[0].getsockname()[1]
+            logger.info(
+                "smtp listening",
+                extra={"action": "smtp.start", "source": self.slug, "port": self.bound_port},
+            )
+            if ready is not None:
+                ready(self.bound_port)
+            refresher = asyncio.ensure_future(self._refresh())
+            try:
+                await stop.wait()
+            finally:
+                server.close()
+                refresher.cancel()
+                await self._drain()
+                try:
+                    await self._flush_refusals()
+                except Exception:  # the database is away: the Prometheus counts stay
+                    logger.exception("smtp refusals lost", extra={"action": "smtp.refresh"})
+        finally:
+            await self._close_pool()
+        logger.info("smtp stopped", extra={"action": "smtp.stop", "source": self.slug})
+
+    def _check(self) -> None:
         if self.source is None:
             raise ValueError(f"no enabled smtp source {self.slug!r}")
         if self.credentials and not self.tls:
@@ -200,27 +228,8 @@ class Listener:
                 "the source has AUTH credentials, which are only taken over TLS: set "
                 "SMTP_TLS_CERT_FILE and SMTP_TLS_KEY_FILE"
             )
-        if not verifier_addresses(self.source):
+        if not self.source.verifier.addresses:
             raise ValueError(f"source {self.slug!r} accepts no address: set its 'addresses'")
-        loop = asyncio.get_running_loop()
-        server = await loop.create_server(self.session, self.host, self.port)
-        self.bound_port = server.sockets[0].getsockname()[1]
-        logger.info(
-            "smtp listening",
-            extra={"action": "smtp.start", "source": self.slug, "port": self.bound_port},
-        )
-        if ready is not None:
-            ready(self.bound_port)
-        refresher = asyncio.ensure_future(self._refresh())
-        try:
-            await stop.wait()
-        finally:
-            server.close()
-            refresher.cancel()
-            await self._drain()
-            await self._in_pool(self._flush_refusals)
-            await self._close_pool()
-        logger.info("smtp stopped", extra={"action": "smtp.stop", "source": self.slug})
 
     async def _drain(self) -> None:
         """Let the messages being stored be committed and answered, then say 421 to
@@ -249,17 +258,24 @@ class Listener:
     # --- Refusals ---------------------------------------------------------------------
 
     def refused(self, reason: str, peer: str) -> None:
+        """Count a refusal (on the event loop, as the sessions answer)."""
         self.refusals[reason] += 1
-        self.counts["refused"] += 1
         self.refused_from[reason] = peer
+        self.counts["refused"] += 1
+        INBOUND_REFUSED.labels(self.slug, reason).inc()
 
-    def _flush_refusals(self) -> None:
+    async def _flush_refusals(self) -> None:
+        """The refusals counted since the last flush, into the source's refusal rows.
+        Taken on the event loop, where they are counted, so none is lost between."""
         counts, self.refusals = self.refusals, Counter()
-        if not counts or self.source is None:
-            return
+        if counts and self.source is not None:
+            await self._in_pool(self._write_refusals, self.source, counts, dict(self.refused_from))
+
+    @staticmethod
+    def _write_refusals(source: Source, counts: Counter, remotes: dict) -> None:
         close_old_connections()
         for reason, n in counts.items():
-            count_refusal(self.source, reason, remote=self.refused_from.get(reason, ""), n=n)
+            record_refusal(source, reason, remote=remotes.get(reason, ""), n=n)
 
     # --- The session's hooks ----------------------------------------------------------
 
@@ -358,10 +374,6 @@ class Listener:
             extra={"action": "smtp.error", "source": self.slug, "error": type(error).__name__},
         )
         return REPLIES["store_failed"]
-
-
-def verifier_addresses(source: Source) -> tuple[str, ...]:
-    return source.verifier.addresses
 
 
 class Session(SMTP):

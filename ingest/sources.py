@@ -110,11 +110,22 @@ def email_throttle(source: Source, *, sender: str = "", recipient: str = "") -> 
     return None
 
 
-def count_refusal(source: Source, reason: str, request=None, remote: str = "", n: int = 1) -> None:
-    """Count ``n`` refused requests (or SMTP commands) per source and reason; never
-    creates work."""
+def count_refusal(source: Source, reason: str, request=None, remote: str = "") -> None:
+    """Count a refused request per source and reason; never creates work."""
+    record_refusal(source, reason, remote=remote or _remote(request))
+    INBOUND_REFUSED.labels(source.slug, reason).inc()
+    logger.info(
+        "inbound refused",
+        extra={"action": "ingest.refused", "source": source.slug, "reason": reason},
+    )
+
+
+def record_refusal(source: Source, reason: str, *, remote: str = "", n: int = 1) -> None:
+    """Add ``n`` to the source's refusal row for ``reason`` (``VerificationFailure``):
+    the count every process shares, which survives restarts. The SMTP listener counts
+    its refusals as it answers and writes them here in batches."""
     now = timezone.now()
-    sample = {"at": now.isoformat(), "remote": remote or _remote(request)}
+    sample = {"at": now.isoformat(), "remote": remote}
     updated = VerificationFailure.objects.filter(source=source, reason=reason).update(
         count=F("count") + n, last_at=now, sample=sample
     )
@@ -133,11 +144,6 @@ def count_refusal(source: Source, reason: str, request=None, remote: str = "", n
             VerificationFailure.objects.filter(source=source, reason=reason).update(
                 count=F("count") + n, last_at=now, sample=sample
             )
-    INBOUND_REFUSED.labels(source.slug, reason).inc(n)
-    logger.info(
-        "inbound refused",
-        extra={"action": "ingest.refused", "source": source.slug, "reason": reason},
-    )
 
 
 def _remote(request) -> str:
