@@ -47,6 +47,7 @@ STATE_COLOURS = {
     DeliveryState.LEASED: "#6b46c1",
     DeliveryState.SUCCEEDED: "#2f855a",
     DeliveryState.DEAD: "#c53030",
+    "held": "#4a5568",
 }
 
 
@@ -172,6 +173,19 @@ class EventTypeFilter(admin.SimpleListFilter):
 
     def queryset(self, request, queryset):
         return queryset.filter(event__event_type=self.value()) if self.value() else queryset
+
+
+class PausedFilter(admin.SimpleListFilter):
+    title = "paused"
+    parameter_name = "paused"
+
+    def lookups(self, request, model_admin):
+        return [("yes", "Paused"), ("no", "Not paused")]
+
+    def queryset(self, request, queryset):
+        if self.value() in ("yes", "no"):
+            return queryset.filter(paused_at__isnull=self.value() == "no")
+        return queryset
 
 
 # --- Deliveries ------------------------------------------------------------------------
@@ -314,6 +328,9 @@ class DeliveryAdmin(ReadOnlyAdmin):
 
     @admin.display(description="state", ordering="state")
     def badge(self, d):
+        if d.state == DeliveryState.PENDING and d.endpoint.paused_at is not None:
+            # Not a state of its own: a pending delivery its paused endpoint holds.
+            return format_html("{} {}", state_badge(d.state), state_badge("held"))
         return state_badge(d.state)
 
     @admin.display(description="endpoint")
@@ -481,13 +498,14 @@ class EndpointAdmin(admin.ModelAdmin):
         "url",
         "tenant",
         "enabled",
+        "paused_at",
         "success_rate_24h",
         "mean_latency_24h",
         "failing_since",
         "disabled_reason",
         "deliveries_link",
     ]
-    list_filter = ["enabled", TenantFilter]
+    list_filter = ["enabled", PausedFilter, TenantFilter]
     search_fields = ["url"]
     fields = [
         "tenant",
@@ -497,14 +515,23 @@ class EndpointAdmin(admin.ModelAdmin):
         "enabled",
         "disabled_reason",
         "disabled_at",
+        "paused_at",
+        "paused_reason",
         "failing_since",
         "rate_limit",
         "max_concurrency",
         "timeout",
         "retry_client_errors",
     ]
-    readonly_fields = ["enabled", "failing_since", "disabled_at", "disabled_reason"]
-    actions = ["enable", "disable", "rotate_secret"]
+    readonly_fields = [
+        "enabled",
+        "failing_since",
+        "disabled_at",
+        "disabled_reason",
+        "paused_at",
+        "paused_reason",
+    ]
+    actions = ["pause", "resume", "enable", "disable", "rotate_secret"]
     show_full_result_count = False
 
     def get_changelist_instance(self, request):
@@ -543,6 +570,34 @@ class EndpointAdmin(admin.ModelAdmin):
 
     def has_rotate_secret_permission(self, request):
         return request.user.has_perm("deliveries.rotate_secret")
+
+    def has_pause_permission(self, request):
+        return request.user.has_perm("deliveries.pause_endpoint")
+
+    @admin.action(
+        description="Pause selected endpoints (hold their deliveries)", permissions=["pause"]
+    )
+    def pause(self, request, queryset):
+        n = sum(
+            services.endpoint_pause(
+                endpoint=e, actor=request.user, reason="paused by staff", via="admin"
+            )
+            for e in queryset
+        )
+        self.message_user(
+            request,
+            f"{n} endpoints paused: their deliveries wait, none is dead-lettered.",
+            messages.SUCCESS,
+        )
+
+    @admin.action(description="Resume selected endpoints", permissions=["pause"])
+    def resume(self, request, queryset):
+        n = sum(
+            services.endpoint_resume(endpoint=e, actor=request.user, via="admin") for e in queryset
+        )
+        self.message_user(
+            request, f"{n} endpoints resumed: their held deliveries are due.", messages.SUCCESS
+        )
 
     @admin.action(description="Enable selected endpoints", permissions=["change"])
     def enable(self, request, queryset):

@@ -65,7 +65,8 @@ def admit_due(*, now: datetime, page_size: int, limits: Limits) -> AdmissionResu
     out of the scan itself, so their backlog cannot hide other tenants' due rows: the
     per-tenant ceiling is what guarantees a share to every tenant. Among the rows one
     scan reads (twice the free slots, up to ADMISSION_CHUNK), tenants are served
-    round-robin.
+    round-robin. Paused endpoints are left out of every scan the same way: their rows
+    stay pending, held until the endpoint is resumed.
     """
     result = AdmissionResult()
     with transaction.atomic():
@@ -89,6 +90,8 @@ def admit_due(*, now: datetime, page_size: int, limits: Limits) -> AdmissionResu
         full_endpoints = {
             e for e, n in by_endpoint.items() if n >= slots.ceiling(slots.endpoints.get(e))
         }
+        # Paused endpoints are left out as full ones are: their rows are never read.
+        full_endpoints |= {e for (e,) in queries.PAUSED_ENDPOINTS()}
         # Chunks of due rows, each scanned past the free slots so that tenants share
         # it round-robin. A row held back fills its tenant or endpoint (ceiling reached,
         # or no start token left): those leave the next chunk's scan, so rows they
@@ -114,6 +117,15 @@ def admit_due(*, now: datetime, page_size: int, limits: Limits) -> AdmissionResu
             # round trip (8 a pass of 2,000 rows, 3 ms of it).
             wakeup.notify(wakeup.OUTBOX)
     return result
+
+
+def anything_due(now: datetime) -> bool:
+    """Whether a due pending delivery waits that admission could take, ceilings aside:
+    the held deliveries of paused endpoints do not count (an idle scheduler is one with
+    nothing else to do, however long a pause lasts). By the scan admission uses, so a
+    paused endpoint's backlog is not read past."""
+    paused = [e for (e,) in queries.PAUSED_ENDPOINTS()]
+    return bool(_scan_due(now, [], paused, 1))
 
 
 # Rows one admission scan reads at most (it reads twice the free slots, up to this).

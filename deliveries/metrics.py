@@ -62,8 +62,15 @@ def delivery_gauges(now: float) -> Iterable[Metric]:
     yield GaugeMetricFamily(
         "webhooks_oldest_due_delivery_age_seconds",
         "How long the oldest due pending delivery has been due (0: none is due). Grows "
-        "when the scheduler is not running or ceilings hold work back.",
+        "when the scheduler is not running, ceilings hold work back, or a paused "
+        "endpoint holds its deliveries (webhooks_endpoints_paused).",
         value=age,
+    )
+    yield GaugeMetricFamily(
+        "webhooks_endpoints_paused",
+        "Endpoints paused: their pending deliveries are held until they are resumed. "
+        "Index endpoint_paused.",
+        value=len(queries.PAUSED_ENDPOINTS()),
     )
 
     unpublished = Outbox.objects.filter(published_at__isnull=True)

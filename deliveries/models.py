@@ -101,6 +101,12 @@ class Endpoint(models.Model):
     # Set by the first failure after a success; cleared by a success. An endpoint failing
     # for longer than DELIVERY_DISABLE_AFTER is disabled.
     failing_since = models.DateTimeField(null=True, blank=True)
+    # Paused (non-null): its deliveries are held pending, neither admitted nor
+    # dead-lettered, and events published meanwhile still get theirs; resuming lets them
+    # flow (services.endpoint_pause / endpoint_resume, deliveries.admission). Unlike a
+    # disabled endpoint, nothing is lost. db_default: an older release still inserts.
+    paused_at = models.DateTimeField(null=True, blank=True)
+    paused_reason = models.CharField(max_length=200, blank=True, default="", db_default="")
     # Start-rate ceiling (requests per second; null: none) and concurrency ceiling.
     rate_limit = models.FloatField(null=True, blank=True)
     max_concurrency = models.PositiveIntegerField(null=True, blank=True)
@@ -117,10 +123,18 @@ class Endpoint(models.Model):
             # Rotating shows the new secret, with which anyone can sign deliveries the
             # receiver accepts: more than changing the endpoint.
             ("rotate_secret", "Can rotate an endpoint's signing secret and see the new one"),
+            # Holding deliveries back is an operation on the tenant's traffic, not an
+            # edit of the endpoint's settings.
+            ("pause_endpoint", "Can pause and resume an endpoint's deliveries"),
         ]
         indexes = [
             # publish_event: the enabled endpoints of one tenant.
             models.Index(fields=["tenant", "enabled"], name="endpoint_tenant_enabled"),
+            # Admission's every pass: the paused endpoints, whose rows it leaves out
+            # (queries.PAUSED_ENDPOINTS). Partial: it holds the paused ones only.
+            models.Index(
+                fields=["id"], condition=Q(paused_at__isnull=False), name="endpoint_paused"
+            ),
         ]
 
     def __str__(self) -> str:
@@ -138,6 +152,10 @@ class Endpoint(models.Model):
             validate_endpoint_url(self.url, policy)
         except ValidationError as exc:
             raise ValidationError({"url": exc.messages}) from exc
+
+    @property
+    def paused(self) -> bool:
+        return self.paused_at is not None
 
     def subscribes_to(self, event_type: str) -> bool:
         return not self.event_types or event_type in self.event_types

@@ -92,6 +92,21 @@ def _(params):
     )
 
 
+# The paused endpoints (Endpoint.paused_at), whose due rows admission leaves out of its
+# scans as it leaves out a full endpoint's: they stay pending, neither admitted nor
+# dead-lettered. By the partial index endpoint_paused, so an admission pass pays for the
+# paused endpoints, not for the table. Rows (id,), as text.
+PAUSED_ENDPOINTS = Statement("SELECT id::text FROM deliveries_endpoint WHERE paused_at IS NOT NULL")
+
+
+@PAUSED_ENDPOINTS.elsewhere
+def _(params):
+    return [
+        (str(i),)
+        for i in Endpoint.objects.filter(paused_at__isnull=False).values_list("id", flat=True)
+    ]
+
+
 # Due rows, highest priority and oldest first, leaving out saturated tenants and
 # endpoints. Uses the partial index delivery_due. No row locks: the admission lock
 # serialises schedulers, and ENQUEUE re-checks the state, so a row that changed since
@@ -266,33 +281,38 @@ def _(params):
 # the primary key lookups take 0.5 ms.
 #
 # One statement: lock the wanted rows still enqueued at the message's dispatch (primary
-# key lookups), skip rows another worker holds, and lease them (or, for a disabled
-# endpoint, finish them) returning what sending needs, the event body included. Run in a
-# transaction of the caller's. Params: {ids, dispatches, until, token, now}; rows (id,
-# event, endpoint, tenant, event type, body, attempt count, policy attempts, endpoint
-# enabled, trace context).
+# key lookups), skip rows another worker holds, and move each by its endpoint: lease it,
+# returning what sending needs, the event body included; for a disabled endpoint, finish
+# it (dead, endpoint_disabled); for a paused one, hold it: back to pending, no attempt
+# counted, to wait for the resume (the scan admitted it before the pause committed).
+# Run in a transaction of the caller's. Params: {ids, dispatches, until, token, now};
+# rows (id, event, endpoint, tenant, event type, body, attempt count, policy attempts,
+# the state it is in now: leased, dead or pending, trace context).
 LEASE = Statement(
     """
 WITH wanted AS (SELECT * FROM unnest(%(ids)b::uuid[], %(dispatches)b::int[]) AS w(id, n)),
 locked AS (
-    SELECT d.id FROM deliveries_delivery d JOIN wanted ON wanted.id = d.id
+    SELECT d.id, CASE WHEN NOT ep.enabled THEN 'dead'
+        WHEN ep.paused_at IS NOT NULL THEN 'pending' ELSE 'leased' END AS next
+    FROM deliveries_delivery d JOIN wanted ON wanted.id = d.id
+    JOIN deliveries_endpoint ep ON ep.id = d.endpoint_id
     WHERE (d.state || '') = 'enqueued' AND d.dispatch_count = wanted.n
     FOR UPDATE OF d SKIP LOCKED
 )
 UPDATE deliveries_delivery d SET
-    state = CASE WHEN ep.enabled THEN 'leased' ELSE 'dead' END,
-    lease_until = CASE WHEN ep.enabled THEN %(until)s::timestamptz END,
-    lease_token = CASE WHEN ep.enabled THEN %(token)s::uuid END,
-    attempt_count = d.attempt_count + ep.enabled::int,
-    policy_attempts = d.policy_attempts + ep.enabled::int,
-    finished_at = CASE WHEN ep.enabled THEN NULL ELSE %(now)s::timestamptz END,
-    last_outcome = CASE WHEN ep.enabled THEN d.last_outcome ELSE 'endpoint_disabled' END,
-    last_error = CASE WHEN ep.enabled THEN d.last_error ELSE 'endpoint disabled' END,
+    state = locked.next,
+    lease_until = CASE WHEN locked.next = 'leased' THEN %(until)s::timestamptz END,
+    lease_token = CASE WHEN locked.next = 'leased' THEN %(token)s::uuid END,
+    attempt_count = d.attempt_count + (locked.next = 'leased')::int,
+    policy_attempts = d.policy_attempts + (locked.next = 'leased')::int,
+    finished_at = CASE WHEN locked.next = 'dead' THEN %(now)s::timestamptz END,
+    last_outcome = CASE WHEN locked.next = 'dead' THEN 'endpoint_disabled' ELSE d.last_outcome END,
+    last_error = CASE WHEN locked.next = 'dead' THEN 'endpoint disabled' ELSE d.last_error END,
     updated_at = %(now)s
-FROM locked, deliveries_event e, deliveries_endpoint ep
-WHERE d.id = locked.id AND e.id = d.event_id AND ep.id = d.endpoint_id
+FROM locked, deliveries_event e
+WHERE d.id = locked.id AND e.id = d.event_id
 RETURNING d.id, d.event_id, d.endpoint_id, d.tenant_id, e.event_type, e.body,
-    d.attempt_count, d.policy_attempts, ep.enabled, e.trace_context
+    d.attempt_count, d.policy_attempts, d.state, e.trace_context
 """,
     # The bodies as raw bytes: in text format bytea travels hex-encoded, twice its size,
     # encoded by the server and decoded here.
@@ -308,12 +328,13 @@ def _(params):
     rows = [
         r
         for r in Delivery.objects.filter(id__in=wanted, state=ENQUEUED).values_list(
-            "id", "dispatch_count", "endpoint__enabled"
+            "id", "dispatch_count", "endpoint__enabled", "endpoint__paused_at"
         )
         if wanted.get(r[0]) == r[1]
     ]
-    live = [r[0] for r in rows if r[2]]
     disabled = [r[0] for r in rows if not r[2]]
+    held = [r[0] for r in rows if r[2] and r[3] is not None]
+    live = [r[0] for r in rows if r[2] and r[3] is None]
     Delivery.objects.filter(id__in=disabled, state=ENQUEUED).update(
         state=DEAD,
         finished_at=now,
@@ -321,6 +342,7 @@ def _(params):
         last_error="endpoint disabled",
         updated_at=now,
     )
+    Delivery.objects.filter(id__in=held, state=ENQUEUED).update(state=PENDING, updated_at=now)
     Delivery.objects.filter(id__in=live, state=ENQUEUED).update(
         state=LEASED,
         lease_until=params["until"],
@@ -329,8 +351,9 @@ def _(params):
         policy_attempts=F("policy_attempts") + 1,
         updated_at=now,
     )
+    unsent = [(d, DEAD) for d in disabled] + [(d, PENDING) for d in held]
     return [
-        (*r[:8], True, r[8])
+        (*r[:8], LEASED, r[8])
         for r in Delivery.objects.filter(id__in=live).values_list(
             "id",
             "event_id",
@@ -342,7 +365,7 @@ def _(params):
             "policy_attempts",
             "event__trace_context",
         )
-    ] + [(d, None, None, None, "", b"", 0, 0, False, "") for d in disabled]
+    ] + [(d, None, None, None, "", b"", 0, 0, now_state, "") for d, now_state in unsent]
 
 
 def held_leases(ids: Sequence[uuid.UUID], tokens: Sequence[uuid.UUID]) -> set[uuid.UUID]:

@@ -8,14 +8,13 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from django.db.models import Q
 from django.utils import timezone
 
 from deliveries.conf import settings
 from deliveries.prometheus import LEASE_EXPIRIES, LOST_DISPATCHES
 
 from . import state
-from .admission import AdmissionResult, Limits, admit_due
+from .admission import AdmissionResult, Limits, admit_due, anything_due
 from .jobs import kinds
 from .jobs.loop import SOON_WAIT, Tick
 from .models import Delivery
@@ -63,9 +62,9 @@ def scheduler_tick(*, page_size: int | None = None, sweep: bool = True) -> Sched
             others_busy |= more
         tick.sweep_busy = others_busy or expiries_left
     if sweep and not tick.busy and admitted.admitted == 0 and not others_busy:
-        tick.idle = not Delivery.objects.filter(
-            Q(state__in=state.IN_FLIGHT) | Q(state=state.PENDING, next_attempt_at__lte=now)
-        ).exists()
+        tick.idle = not Delivery.objects.filter(state__in=state.IN_FLIGHT).exists() and (
+            not anything_due(now)
+        )
     tick.busy |= others_busy
     _count_recoveries(tick.counts)
     tick.soon = admitted.admitted > 0

@@ -15,7 +15,7 @@ from . import queries
 from .egress import EgressPolicy, IPNetwork
 from .jobs.models import LoopRun, Outbox
 from .jobs.outbox import message_key
-from .models import Delivery, DeliveryState, Tenant
+from .models import Delivery, DeliveryState, Endpoint, Tenant
 from .queries import DELIVERY_KIND
 
 logger = logging.getLogger("deliveries.selectors")
@@ -34,9 +34,9 @@ def loop_stale_after() -> timedelta:
 class Explanation:
     """Where a delivery stands, in one sentence an operator can act on.
 
-    ``kind``: waiting (late by policy), due, outbox, in_transport, leased, succeeded,
-    dead, or stalled (nothing that would move it is running: late, and will stay late
-    until someone starts it)."""
+    ``kind``: waiting (late by policy), held (its endpoint is paused), due, outbox,
+    in_transport, leased, succeeded, dead, or stalled (nothing that would move it is
+    running: late, and will stay late until someone starts it)."""
 
     kind: str
     sentence: str
@@ -45,6 +45,18 @@ class Explanation:
 
 def _t(moment: datetime | None) -> str:
     return f"{moment:%Y-%m-%d %H:%M:%S}" if moment else "an unrecorded time"
+
+
+def _paused_since(delivery: Delivery) -> str:
+    """How its endpoint was paused ("at <time> UTC (<reason>)"), or "" if it is not."""
+    try:
+        endpoint = delivery.endpoint
+    except Endpoint.DoesNotExist:  # deleted meanwhile: its deliveries go with it
+        return ""
+    if endpoint.paused_at is None:
+        return ""
+    why = f" ({endpoint.paused_reason})" if endpoint.paused_reason else ""
+    return f"at {_t(endpoint.paused_at)} UTC{why}"
 
 
 def _loop_alive(kind: str, now: datetime) -> bool:
@@ -69,6 +81,24 @@ def delivery_explain(delivery: Delivery, *, now: datetime | None = None) -> Expl
         f"dispatches: {d.dispatch_count}, lease expiries: {d.lease_expiries}",
     ]
     state = d.state
+    # Read for the states a pause changes (the callers load the endpoint with the row).
+    paused = (
+        _paused_since(d)
+        if state in (DeliveryState.PENDING, DeliveryState.ENQUEUED, DeliveryState.LEASED)
+        else ""
+    )
+    if state == DeliveryState.PENDING and paused:
+        return Explanation(
+            "held",
+            f"Held: its endpoint was paused {paused}. "
+            + (
+                f"It waits by policy until {_t(d.next_attempt_at)} UTC{last} and then "
+                "for the resume."
+                if d.next_attempt_at > now
+                else "Nothing is sent until the endpoint is resumed; then it is due at once."
+            ),
+            details,
+        )
     if state == DeliveryState.PENDING and d.next_attempt_at > now:
         return Explanation(
             "waiting",
@@ -110,6 +140,14 @@ def delivery_explain(delivery: Delivery, *, now: datetime | None = None) -> Expl
                 "a worker since: the transport lost it; the scheduler dispatches it again.",
                 details,
             )
+        if paused:
+            return Explanation(
+                "held",
+                f"Handed to the transport at {_t(d.enqueued_at)} UTC, before its endpoint "
+                f"was paused {paused}: the worker that takes it returns it to pending "
+                "without sending it, to wait for the resume.",
+                details,
+            )
         alive = _loop_alive("workers", now)
         return Explanation(
             "in_transport" if alive else "stalled",
@@ -128,7 +166,13 @@ def delivery_explain(delivery: Delivery, *, now: datetime | None = None) -> Expl
         return Explanation(
             "leased",
             f"Leased by a worker until {_t(d.lease_until)} UTC: attempt "
-            f"{d.attempt_count} is in flight.",
+            f"{d.attempt_count} is in flight"
+            + (
+                f". Its endpoint was paused {paused}, after it was sent: this attempt "
+                "is recorded as usual, and a retry waits for the resume."
+                if paused
+                else "."
+            ),
             details,
         )
     if state == DeliveryState.SUCCEEDED:

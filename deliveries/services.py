@@ -435,6 +435,47 @@ def endpoint_disable(*, endpoint: Endpoint, reason: str, actor=None) -> bool:
     return changed
 
 
+def endpoint_pause(*, endpoint: Endpoint, actor=None, reason: str = "", via: str = "api") -> bool:
+    """Hold an endpoint's deliveries: they stay pending, neither sent nor dead-lettered,
+    and events published meanwhile still get theirs, until ``endpoint_resume``. A
+    delivery already mid-request finishes (deliveries.state.endpoint_set_paused). Audited
+    in the same transaction; returns False (and writes nothing) if it was paused
+    already. ``via``: where the request came from (``admin``, ``api key 12``)."""
+    with transaction.atomic():
+        changed = state.endpoint_set_paused(
+            endpoint_id=endpoint.id, reason=reason, now=timezone.now()
+        )
+        if changed:
+            audit(
+                actor=actor,
+                action="endpoint.pause",
+                target="endpoint",
+                count=1,
+                endpoint=str(endpoint.id),
+                reason=reason[:200],
+                via=via,
+            )
+    return changed
+
+
+def endpoint_resume(*, endpoint: Endpoint, actor=None, via: str = "api") -> bool:
+    """Let a paused endpoint's held deliveries flow again: each is due at its own next
+    attempt time (the held ones at once). Audited in the same transaction; returns False
+    (and writes nothing) if it was not paused."""
+    with transaction.atomic():
+        changed = state.endpoint_set_resumed(endpoint_id=endpoint.id, now=timezone.now())
+        if changed:
+            audit(
+                actor=actor,
+                action="endpoint.resume",
+                target="endpoint",
+                count=1,
+                endpoint=str(endpoint.id),
+                via=via,
+            )
+    return changed
+
+
 # --- Deliveries ----------------------------------------------------------------------
 
 

@@ -151,7 +151,9 @@ def lease(
     A message whose delivery is no longer ``enqueued`` at that dispatch (already leased
     by another worker, terminal, or re-dispatched) is skipped: it lost a race or is a
     stale copy. Deliveries for a disabled endpoint go straight to ``dead`` without an
-    attempt. Returns the leases taken and how many messages were skipped.
+    attempt. Deliveries for a paused endpoint (admitted before the pause committed) go
+    back to ``pending`` without an attempt, held until the endpoint is resumed. Returns
+    the leases taken and how many messages were skipped.
 
     The attempt counters are incremented here, before the request, so that a worker that
     dies mid-send still leaves a count of the attempt that may have reached the receiver.
@@ -171,7 +173,7 @@ def lease(
                 "now": now,
             }
         )
-    signals.send_after_commit(signals.delivery_dead, Delivery, [r[0] for r in rows if not r[8]])
+    signals.send_after_commit(signals.delivery_dead, Delivery, [r[0] for r in rows if r[8] == DEAD])
     leased = [
         Leased(
             id=r[0],
@@ -186,7 +188,7 @@ def lease(
             trace_context=r[9] or "",
         )
         for r in rows
-        if r[8]
+        if r[8] == LEASED
     ]
     return leased, len(messages) - len(rows)
 
@@ -439,6 +441,33 @@ def endpoint_set_disabled(*, endpoint_id: uuid.UUID, reason: str, now: datetime)
     if disabled:
         signals.send_after_commit(signals.endpoint_disabled, Endpoint, [endpoint_id])
     return bool(disabled)
+
+
+def endpoint_set_paused(*, endpoint_id: uuid.UUID, reason: str, now: datetime) -> bool:
+    """Pause an endpoint (guarded: only a running one). Admission leaves its pending
+    deliveries out from its next pass, and a worker that finds one of its deliveries
+    still ``enqueued`` returns it to ``pending`` without an attempt (``lease``); one
+    already ``leased`` is mid-request, and its outcome is recorded as usual (a retry
+    then waits too). Nothing is dead-lettered; publishing still writes its deliveries."""
+    return bool(
+        Endpoint.objects.filter(id=endpoint_id, paused_at__isnull=True).update(
+            paused_at=now, paused_reason=reason[:200], updated_at=now
+        )
+    )
+
+
+def endpoint_set_resumed(*, endpoint_id: uuid.UUID, now: datetime) -> bool:
+    """Resume a paused endpoint (guarded: only a paused one). Its held deliveries are
+    due at their own ``next_attempt_at`` (the held ones long since, a retry in backoff
+    at its step), so the scheduler is woken to admit them."""
+    resumed = bool(
+        Endpoint.objects.filter(id=endpoint_id, paused_at__isnull=False).update(
+            paused_at=None, paused_reason="", updated_at=now
+        )
+    )
+    if resumed:
+        wakeup.notify(wakeup.DUE)
+    return resumed
 
 
 # --- Operators: replay and cancel ------------------------------------------------------

@@ -57,6 +57,10 @@ class EndpointInput(serializers.Serializer):
 class EndpointOutput(serializers.ModelSerializer):
     # Custom header values may be credentials: only their names are shown.
     header_names = serializers.SerializerMethodField()
+    paused = serializers.BooleanField(
+        read_only=True,
+        help_text="Its deliveries are held (pending, not sent) until it is resumed.",
+    )
 
     class Meta:
         model = Endpoint
@@ -69,6 +73,9 @@ class EndpointOutput(serializers.ModelSerializer):
             "disabled_reason",
             "disabled_at",
             "failing_since",
+            "paused",
+            "paused_at",
+            "paused_reason",
             "rate_limit",
             "max_concurrency",
             "timeout",
@@ -87,6 +94,12 @@ class EndpointWithSecret(EndpointOutput):
 
     class Meta(EndpointOutput.Meta):
         fields = [*EndpointOutput.Meta.fields, "secret"]
+
+
+class PauseInput(serializers.Serializer):
+    reason = serializers.CharField(
+        max_length=200, required=False, allow_blank=True, help_text="Why, for the log."
+    )
 
 
 class SecretOutput(serializers.Serializer):

@@ -81,6 +81,32 @@ class EndpointViewSet(TenantScoped, viewsets.ModelViewSet):
         )
         return Response({"secret": secret, "previous_secrets_expire_at": expires})
 
+    @extend_schema(request=s.PauseInput, responses=s.EndpointOutput)
+    @action(detail=True, methods=["post"])
+    def pause(self, request, pk=None):
+        """Hold this endpoint's deliveries: they stay pending, and events published
+        meanwhile still get theirs, until it is resumed. Pausing a paused endpoint
+        changes nothing."""
+        endpoint = self.get_object()
+        data = s.PauseInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        services.endpoint_pause(
+            endpoint=endpoint,
+            reason=data.validated_data.get("reason", ""),
+            via=f"api key {request.user.api_key_id}",
+        )
+        endpoint.refresh_from_db()
+        return Response(s.EndpointOutput(endpoint).data)
+
+    @extend_schema(request=None, responses=s.EndpointOutput)
+    @action(detail=True, methods=["post"])
+    def resume(self, request, pk=None):
+        """Let the held deliveries flow: each is due at its own next attempt time."""
+        endpoint = self.get_object()
+        services.endpoint_resume(endpoint=endpoint, via=f"api key {request.user.api_key_id}")
+        endpoint.refresh_from_db()
+        return Response(s.EndpointOutput(endpoint).data)
+
     @extend_schema(request=None, responses={202: s.EventOutput})
     @action(detail=True, methods=["post"])
     def test(self, request, pk=None):
@@ -184,7 +210,8 @@ class DeliveryViewSet(
         return (
             Delivery.objects.filter(listing__tenant=self.tenant)
             .annotate(listed_at=F("listing__created_at"))
-            .select_related("event")
+            # The endpoint: whether it is paused is part of a delivery's explanation.
+            .select_related("event", "endpoint")
         )
 
     @extend_schema(responses=s.AttemptOutput(many=True), filters=False)

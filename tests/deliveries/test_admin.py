@@ -157,6 +157,40 @@ def test_endpoint_health_and_actions(data):
     assert AuditEntry.objects.filter(action="endpoint.disable").exists()
 
 
+def test_pausing_and_resuming_from_the_admin_need_their_own_permission(data):
+    tenant, endpoint, _ = data
+    services.publish_event(tenant=tenant, event_type="invoice.paid", payload={})
+    held = Delivery.objects.get(state="pending")
+    form = {"_selected_action": [str(endpoint.id)]}
+
+    editor = staff("change_endpoint")  # may edit the endpoint, not hold its traffic
+    offered = editor.get("/admin/deliveries/endpoint/").context["action_form"]
+    assert "pause" not in [name for name, _ in offered.fields["action"].choices]
+    editor.post("/admin/deliveries/endpoint/", {**form, "action": "pause"})
+    endpoint.refresh_from_db()
+    assert endpoint.paused_at is None
+
+    operator = staff("pause_endpoint")
+    page = operator.post("/admin/deliveries/endpoint/", {**form, "action": "pause"}, follow=True)
+    assert b"1 endpoints paused" in page.content
+    endpoint.refresh_from_db()
+    assert endpoint.paused_at is not None and endpoint.paused_reason == "paused by staff"
+    entry = AuditEntry.objects.get(action="endpoint.pause")
+    assert str(entry.actor.pk) == operator.session["_auth_user_id"]
+    assert entry.details["via"] == "admin"
+
+    # The log and the delivery page say the delivery is held.
+    log = operator.get(CHANGELIST, {"state": "pending"})
+    assert log.content.count(b"state-badge") == 2 and b">held<" in log.content
+    page = operator.get(reverse("admin:deliveries_delivery_change", args=[held.id]))
+    assert b"Held: its endpoint was paused" in page.content
+
+    operator.post("/admin/deliveries/endpoint/", {**form, "action": "resume"})
+    endpoint.refresh_from_db()
+    assert endpoint.paused_at is None
+    assert AuditEntry.objects.filter(action="endpoint.resume", details__via="admin").exists()
+
+
 def test_the_paginator_counts_at_most_the_cap(data, monkeypatch):
     monkeypatch.setattr(CappedCountPaginator, "CAP", 2)
     assert CappedCountPaginator(Delivery.objects.order_by("id"), 50).count == 3  # "2+" shows as 3

@@ -15,6 +15,7 @@ from deliveries.jobs.background import enqueue
 from deliveries.models import (
     ApiKey,
     Attempt,
+    AuditEntry,
     Delivery,
     DeliveryListing,
     Endpoint,
@@ -136,6 +137,62 @@ def test_custom_headers_are_write_only_and_protocol_headers_are_refused(alice):
         format="json",
     )
     assert bad.status_code == 400
+
+
+def test_a_tenant_pauses_and_resumes_its_endpoint_over_rest(alice):
+    client, tenant, _ = alice
+    endpoint, _ = services.endpoint_create(tenant=tenant, url="https://example.com/hook")
+    services.publish_event(tenant=tenant, event_type="t", payload={})
+    url = f"/api/v1/endpoints/{endpoint.id}/"
+    assert client.get(url).json()["paused"] is False
+
+    r = client.post(url + "pause/", {"reason": "deploying the receiver"}, format="json")
+    assert r.status_code == 200, r.content
+    body = r.json()
+    assert body["paused"] is True and body["paused_reason"] == "deploying the receiver"
+    assert body["paused_at"] and body["enabled"] is True
+    assert client.get(url).json()["paused"] is True
+    # The delivery's sentence says it is held; it stays pending.
+    [delivery] = client.get("/api/v1/deliveries/").json()["results"]
+    assert delivery["state"] == "pending" and delivery["explanation"].startswith("Held")
+    # Again: nothing changes, and the answer is the same endpoint.
+    again = client.post(url + "pause/", {}, format="json")
+    assert again.status_code == 200 and again.json()["paused_at"] == body["paused_at"]
+
+    r = client.post(url + "resume/")
+    assert r.status_code == 200, r.content
+    assert (r.json()["paused"], r.json()["paused_at"], r.json()["paused_reason"]) == (
+        False,
+        None,
+        "",
+    )
+    key_id = ApiKey.objects.get(tenant=tenant).id
+    audit = list(AuditEntry.objects.order_by("id").values_list("action", "details"))
+    assert audit == [
+        (
+            "endpoint.pause",
+            {
+                "endpoint": str(endpoint.id),
+                "reason": "deploying the receiver",
+                "via": f"api key {key_id}",
+            },
+        ),
+        ("endpoint.resume", {"endpoint": str(endpoint.id), "via": f"api key {key_id}"}),
+    ]
+
+
+@pytest.mark.parametrize(
+    "body", [{"reason": "x" * 201}, {"reason": None}, {"reason": "a\x00b"}, ["reason"]]
+)
+def test_a_bad_pause_request_is_a_400_and_pauses_nothing(alice, body):
+    client, tenant, _ = alice
+    endpoint, _ = services.endpoint_create(tenant=tenant, url="https://example.com/hook")
+    r = client.post(f"/api/v1/endpoints/{endpoint.id}/pause/", body, format="json")
+    assert r.status_code == 400, r.content
+    assert set(r.json()) == {"error"}
+    endpoint.refresh_from_db()
+    assert endpoint.paused_at is None
+    assert not AuditEntry.objects.exists()
 
 
 def test_rotate_secret_keeps_the_old_one_signing_for_the_overlap(alice):
@@ -402,6 +459,8 @@ def test_the_route_list_covers_every_object_route():
         "/api/v1/deliveries/{id}/attempts/",
         "/api/v1/deliveries/{id}/replay/",
         "/api/v1/endpoints/{id}/",
+        "/api/v1/endpoints/{id}/pause/",
+        "/api/v1/endpoints/{id}/resume/",
         "/api/v1/endpoints/{id}/rotate-secret/",
         "/api/v1/endpoints/{id}/test/",
         "/api/v1/events/{id}/",
@@ -439,7 +498,7 @@ def test_another_tenants_id_is_404_exactly_like_a_random_id(route, method, alice
     # And nothing of Bob's changed.
     delivery.refresh_from_db()
     endpoint.refresh_from_db()
-    assert delivery.state == "pending" and endpoint.enabled
+    assert delivery.state == "pending" and endpoint.enabled and endpoint.paused_at is None
     assert bob_client.get(route.format(id=bob_id)).status_code in (200, 405)
 
 

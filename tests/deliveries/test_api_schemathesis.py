@@ -390,6 +390,7 @@ def valid_bodies() -> dict:
     return {
         "POST /api/v1/endpoints/": {"url": "https://example.com/hook", "headers": {"X-A": "1"}},
         "PATCH /api/v1/endpoints/{id}/": {"description": "d", "event_types": ["t"]},
+        "POST /api/v1/endpoints/{id}/pause/": {"reason": "deploying"},
         "POST /api/v1/events/": {"event_type": "t", "payload": {"n": 1}, "entity_id": "e"},
         "POST /api/v1/deliveries/recover/": {"since": timezone.now().isoformat()},
     }

@@ -159,6 +159,32 @@ def test_the_pipeline_runs_on_django_q2_redis_broker(tenant, receiver, redis_bro
 
 
 @pytest.mark.redis
+def test_on_the_redis_broker_a_message_for_a_paused_endpoint_is_spent_unsent(
+    tenant, receiver, redis_broker
+):
+    """Enqueued before the pause, taken after it: the delivery goes back to pending
+    unattempted, and its message is used up, not left to come round again."""
+    endpoint, _ = services.endpoint_create(tenant=tenant, url=receiver.url("/ok"))
+    services.publish_event(tenant=tenant, event_type="t", payload={})
+    scheduler_tick()
+    relay_tick(b=redis_broker)
+    services.endpoint_pause(endpoint=endpoint)
+
+    assert run_workers(queue=redis_broker, lanes=1)["messages"] == 1
+    assert redis_broker.queue_size() == 0
+    d = Delivery.objects.get()
+    assert (d.state, d.attempt_count, receiver.received) == ("pending", 0, [])
+
+    services.endpoint_resume(endpoint=endpoint)
+    scheduler_tick()
+    relay_tick(b=redis_broker)
+    run_workers(queue=redis_broker, lanes=1)
+    d.refresh_from_db()
+    assert (d.state, d.attempt_count, d.dispatch_count) == ("succeeded", 1, 2)
+    assert [r.webhook_id for r in receiver.received] == [str(d.id)]
+
+
+@pytest.mark.redis
 def test_the_redis_broker_publishes_a_page_and_hands_out_batches_in_order(redis_broker):
     messages = [Message(uuid.uuid4(), 1) for _ in range(5)]
     broker.publish(redis_broker, messages)

@@ -98,6 +98,14 @@ def test_deliveries_by_state_dead_letters_relay_lag_and_queue_depth(tenant, make
     assert value(s, "webhooks_metrics_provider_up", provider="inbound") == 1
 
 
+def test_paused_endpoints_are_counted(tenant, make_endpoint):
+    endpoint = make_endpoint("http://127.0.0.1:9/x")
+    make_endpoint("http://127.0.0.1:9/y")
+    assert value(scrape(), "webhooks_endpoints_paused") == 0
+    services.endpoint_pause(endpoint=endpoint)
+    assert value(scrape(), "webhooks_endpoints_paused") == 1
+
+
 def test_oldest_due_delivery_age_reads_every_priority(tenant, make_endpoint):
     make_endpoint("http://127.0.0.1:9/x")
     now = timezone.now()
