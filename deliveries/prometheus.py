@@ -61,6 +61,14 @@ INBOUND_RECEIVED = Counter(
     "Authentic inbound requests stored, by source and whether they were duplicates.",
     ["source", "duplicate"],
 )
+INBOUND_EMAILS = Counter(
+    "webhooks_inbound_emails_total",
+    "Inbound emails by source and outcome, one per accepted recipient: accepted (stored "
+    "for processing), duplicate (its Message-ID was stored for that recipient already), "
+    "rejected (stored as evidence, never processed). Refusals are counted in "
+    "webhooks_inbound_refused_total.",
+    ["source", "outcome"],
+)
 INBOUND_HANDLER_DURATION = Histogram(
     "webhooks_inbound_handler_duration_seconds",
     "Time one registered inbound handler took on one event, by handler and outcome.",

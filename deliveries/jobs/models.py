@@ -80,9 +80,9 @@ class EntityLock(models.Model):
 
 
 class LoopRun(models.Model):
-    """What one run of a long-running command (scheduler, relay, workers, a poll loop)
-    did: the run id is in its logs, and its heartbeat is refreshed on a fixed period
-    while it runs (``deliveries.jobs.loop.Heartbeat``)."""
+    """What one run of a long-running command (scheduler, relay, workers, a poll loop,
+    the SMTP listener) did: the run id is in its logs, and its heartbeat is refreshed on
+    a fixed period while it runs (``deliveries.jobs.loop.Heartbeat``)."""
 
     class Kind(models.TextChoices):
         SCHEDULER = "scheduler"
@@ -90,6 +90,7 @@ class LoopRun(models.Model):
         WORKERS = "workers"
         POLL = "poll"
         JOBS = "jobs"
+        SMTP = "smtp"
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     kind = models.CharField(max_length=16, choices=Kind.choices)
