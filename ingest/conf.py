@@ -59,6 +59,8 @@ UNITS = {
     "INBOUND_DEDUPE_WINDOW": deliveries_conf.SECOND,
     "POLL_LEASE_SECONDS": deliveries_conf.SECOND,
     "BACKFILL_LEASE_SECONDS": deliveries_conf.SECOND,
+    "SMTP_IDLE_TIMEOUT": deliveries_conf.SECOND,
+    "SMTP_SHUTDOWN_SECONDS": deliveries_conf.SECOND,
 }
 
 settings = deliveries_conf.AppSettings(

@@ -181,7 +181,7 @@ def test_an_operator_reads_an_inbound_email_and_processes_it_again(live_server, 
 
     admin = live_server.url + "/admin/"
     listing = admin + "ingest/inboundemail/"
-    with chromium_page() as page:
+    with chromium_page(SCREENSHOTS) as page:
         page.goto(admin + "login/?next=/admin/")
         page.fill("#id_username", "operator")
         page.fill("#id_password", PASSWORD)
