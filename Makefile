@@ -3,6 +3,8 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: run test lint check pytest bench soak clean lock
@@ -25,7 +27,8 @@ run: $(VENV)/.base-installed
 ## make test: lint, Django checks, migrations check, the migration linter (no
 ## backward-incompatible migration), the whole suite on PostgreSQL, then the pipeline's
 ## tests (those marked sqlite, docs/testing.md) again on a SQLite file in a temporary
-## directory. PYTEST_ARGS applies to both runs (the SQLite one passes if it selects none).
+## directory. Each run spreads its test files over two pytest-xdist workers (PYTEST_WORKERS).
+## PYTEST_ARGS applies to both runs (the SQLite one passes if it selects none).
 test: $(VENV)/.dev-installed
 	@set -e; \
 	export DATABASE_URL="$$(scripts/ensure_postgres.sh)"; \
@@ -44,11 +47,11 @@ test: $(VENV)/.dev-installed
 	echo "== migration linter (backward compatibility)"; \
 	  LOG_LEVEL=WARNING $(PY) manage.py lintmigrations --quiet ok ignore; \
 	echo "== OpenAPI schema"; $(PY) manage.py spectacular --custom-settings deliveries.api.base.SCHEMA_SETTINGS --validate --fail-on-warn >/dev/null; \
-	echo "== pytest (PostgreSQL)"; $(VENV)/bin/pytest $(PYTEST_ARGS); \
+	echo "== pytest (PostgreSQL)"; $(VENV)/bin/pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS); \
 	echo "== pytest (SQLite: the tests marked sqlite)"; \
 	sqlite_dir="$$(mktemp -d)"; trap 'rm -rf "$$sqlite_dir"' EXIT; \
 	DATABASE_URL="sqlite:///$$sqlite_dir/webhooks.sqlite3" \
-	  $(VENV)/bin/pytest -m sqlite $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	  $(VENV)/bin/pytest $(PYTEST_PARALLEL) -m sqlite $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 $(VENV)/.bench-installed: requirements/bench.txt requirements/dev.txt requirements/base.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -42,6 +42,7 @@ from .models import (
     Endpoint,
     Event,
     EventType,
+    EventTypeVersion,
     OperationalEvent,
     Tenant,
 )
@@ -1118,11 +1119,22 @@ class ApiKeyAdmin(ReadOnlyAdmin):
         return request.user.has_perm("deliveries.change_apikey")
 
 
+class EventTypeVersionInline(admin.StackedInline):
+    # A payload version's schema and example, validated by the model (a JSON Schema the
+    # library accepts, an example that matches it).
+    model = EventTypeVersion
+    extra = 0
+    fields = ["version", "schema", "example"]
+
+
 @admin.register(EventType)
 class EventTypeAdmin(AuditedEdits, ConsoleAdmin, admin.ModelAdmin):
-    list_display = ["name", "owner", "replay_safe", "description"]
+    list_display = ["name", "owner", "validation", "replay_safe", "description"]
     list_editable = ["replay_safe"]
+    list_filter = ["validation"]
     search_fields = ["name", "owner"]
+    fields = ["name", "owner", "description", "validation", "replay_safe"]
+    inlines = [EventTypeVersionInline]
 
 
 @admin.register(Event)

@@ -17,7 +17,7 @@ from django.core.exceptions import ValidationError
 from django.db import DataError
 from django.http import HttpResponseBadRequest
 
-logger = logging.getLogger("project.admin")
+logger = logging.getLogger("deliveries.admin")
 
 
 class AdminInputMiddleware:

@@ -12,6 +12,14 @@ refreshes it; the notifier claims each new incident with a guarded UPDATE on
 ``notified_at`` and, in that same transaction, publishes the webhook notification as an
 ordinary event to the ALERTS_TENANT's endpoints (signed, retried and logged like every
 delivery). The email goes after the commit, at most once.
+
+Incidents about one tenant's endpoint (disabled; failing for TENANT_NOTIFY_FAILING_AFTER)
+are the tenant's to hear about too: in the same claiming transaction an
+``endpoint.disabled`` or ``endpoint.failing`` event is published to the tenant's other
+endpoints that subscribe to it by name (or ``endpoint.*``), never to the endpoint the
+incident is about; after the commit one email goes to the tenant's
+``notification_email``. A failing endpoint is the tenant's alone: operators hear of it
+when it is disabled.
 """
 
 import contextlib
@@ -28,14 +36,22 @@ from django.db.models import Count, F
 from django.utils import timezone
 
 from deliveries.conf import settings
-from deliveries.prometheus import OPERATIONAL_EVENTS
+from deliveries.prometheus import OPERATIONAL_EVENTS, TENANT_NOTIFICATIONS
 
+from . import catalogue
 from .models import AlertCheckpoint, Delivery, DeliveryState, Endpoint, OperationalEvent, Tenant
 
 logger = logging.getLogger("deliveries.alerts")
 
 ALERT_EVENT_TYPE = "operations.alert"
 Kind = OperationalEvent.Kind
+# The incidents a tenant is told about, and the event type its webhook carries.
+TENANT_EVENT_TYPES = {
+    Kind.ENDPOINT_DISABLED: "endpoint.disabled",
+    Kind.ENDPOINT_FAILING: "endpoint.failing",
+}
+# The incidents only the tenant is told about.
+TENANT_ONLY = frozenset({Kind.ENDPOINT_FAILING})
 
 
 @dataclass(frozen=True)
@@ -116,16 +132,28 @@ def endpoint_disabled_signal(endpoint_ids: Iterable, *, now: datetime | None = N
                 summary=f"Endpoint of tenant {endpoint.tenant.name} disabled: "
                 f"{endpoint.disabled_reason}",
                 details={
-                    "endpoint_id": str(endpoint.id),
-                    "tenant_id": str(endpoint.tenant_id),
-                    "tenant": endpoint.tenant.name,
-                    # The host only: a query string may carry a receiver's token.
-                    "host": urlsplit(endpoint.url).hostname or "",
+                    **_endpoint_details(endpoint),
                     "reason": endpoint.disabled_reason,
+                    "disabled_at": _iso(endpoint.disabled_at),
                 },
             ),
             now=now,
         )
+
+
+def _endpoint_details(endpoint: Endpoint) -> dict:
+    return {
+        "endpoint_id": str(endpoint.id),
+        "tenant_id": str(endpoint.tenant_id),
+        "tenant": endpoint.tenant.name,
+        # The host only: a query string may carry a receiver's token.
+        "host": urlsplit(endpoint.url).hostname or "",
+        "failing_since": _iso(endpoint.failing_since),
+    }
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return moment.isoformat() if moment else None
 
 
 # --- Checks ------------------------------------------------------------------------------
@@ -218,6 +246,33 @@ def dead_job_check(now: datetime) -> list[Signal]:
 register_check("dead_jobs", dead_job_check)
 
 
+def endpoint_failing_check(now: datetime) -> list[Signal]:
+    """Enabled endpoints failing for longer than TENANT_NOTIFY_FAILING_AFTER (index
+    endpoint_failing), one incident each while they fail: their tenants are told once
+    (the alerts tenant's own endpoints are left out)."""
+    after = settings.TENANT_NOTIFY_FAILING_AFTER
+    if after <= 0:
+        return []
+    failing = Endpoint.objects.filter(
+        enabled=True, failing_since__lt=now - timedelta(seconds=after)
+    ).select_related("tenant")
+    if settings.ALERTS_TENANT:
+        failing = failing.exclude(tenant__name=settings.ALERTS_TENANT)
+    return [
+        Signal(
+            kind=Kind.ENDPOINT_FAILING,
+            key=str(endpoint.id),
+            summary=f"Endpoint of tenant {endpoint.tenant.name} failing since "
+            f"{endpoint.failing_since.isoformat()}",
+            details=_endpoint_details(endpoint),
+        )
+        for endpoint in failing.order_by("failing_since")[:1000]
+    ]
+
+
+register_check("endpoint_failing", endpoint_failing_check)
+
+
 # --- Running and notifying ---------------------------------------------------------------
 
 
@@ -250,9 +305,16 @@ def notify_pending(*, now: datetime, limit: int = 100) -> int:
                 notified_at=now
             ):
                 continue  # another notifier claimed it
-            outcome = {"webhook": _publish_alert(incident)}
+            outcome = {}
+            if incident.kind not in TENANT_ONLY:
+                outcome["webhook"] = _publish_alert(incident)
+            if incident.kind in TENANT_EVENT_TYPES:
+                outcome["tenant_webhook"] = _publish_tenant_notice(incident)
             OperationalEvent.objects.filter(id=incident.id).update(notification=outcome)
-        outcome["email"] = _email_alert(incident)
+        if incident.kind not in TENANT_ONLY:
+            outcome["email"] = _email_alert(incident)
+        if incident.kind in TENANT_EVENT_TYPES:
+            outcome["tenant_email"] = _email_tenant(incident)
         OperationalEvent.objects.filter(id=incident.id).update(notification=outcome)
         logger.info(
             "operator notified",
@@ -314,3 +376,118 @@ def _email_alert(incident: OperationalEvent) -> str:
         )
         return f"failed: {type(exc).__name__}"
     return "sent"
+
+
+# --- Telling the tenant ------------------------------------------------------------------
+
+
+def _incident_endpoint(incident: OperationalEvent) -> Endpoint | None:
+    endpoint_id = incident.details.get("endpoint_id")
+    return (
+        Endpoint.objects.filter(id=endpoint_id).select_related("tenant").first()
+        if endpoint_id
+        else None
+    )
+
+
+def tenant_notice_payload(incident: OperationalEvent, endpoint: Endpoint) -> dict:
+    """The body of an ``endpoint.disabled`` / ``endpoint.failing`` event (its schema is
+    in the catalogue, migration 0030)."""
+    return {
+        "endpoint_id": str(endpoint.id),
+        "url_host": urlsplit(endpoint.url).hostname or "",
+        "enabled": endpoint.enabled,
+        "reason": endpoint.disabled_reason,
+        "failing_since": _iso(endpoint.failing_since),
+        "disabled_at": _iso(endpoint.disabled_at),
+        "incident_id": incident.id,
+        "occurred_at": incident.first_seen_at.isoformat(),
+    }
+
+
+def _publish_tenant_notice(incident: OperationalEvent) -> str:
+    """The tenant's webhook, in the claiming transaction: an event of the incident's
+    tenant type to the tenant's enabled endpoints whose filter names it (an empty filter
+    does not: operational notices are asked for), never to the endpoint it is about."""
+    from .services import DomainError, publish_event
+
+    event_type = TENANT_EVENT_TYPES[incident.kind]
+    endpoint = _incident_endpoint(incident)
+    if endpoint is None:
+        return _counted(incident, "webhook", "endpoint gone")
+    targets = [
+        other.id
+        for other in Endpoint.objects.filter(tenant_id=endpoint.tenant_id, enabled=True)
+        .exclude(id=endpoint.id)
+        .only("id", "event_types")
+        if other.event_types and catalogue.matches(other.event_types, event_type)
+    ]
+    if not targets:
+        return _counted(incident, "webhook", "no endpoint subscribed")
+    try:
+        with transaction.atomic():  # a refusal leaves the claim standing
+            event = publish_event(
+                tenant=endpoint.tenant_id,
+                event_type=event_type,
+                payload=tenant_notice_payload(incident, endpoint),
+                entity_id=f"endpoint:{endpoint.id}",
+                priority=10,
+                endpoint_ids=targets,
+            )
+    except DomainError as exc:
+        _counted(incident, "webhook", "refused")
+        return f"refused: {exc.code}"
+    _counted(incident, "webhook", "sent")
+    return f"event {event.id} to {len(targets)} endpoint(s)"
+
+
+def _email_tenant(incident: OperationalEvent) -> str:
+    endpoint = _incident_endpoint(incident)
+    if endpoint is None:
+        return _counted(incident, "email", "endpoint gone")
+    address = endpoint.tenant.notification_email
+    if not address:
+        return _counted(incident, "email", "off")
+    host = urlsplit(endpoint.url).hostname or "your endpoint"
+    if incident.kind == Kind.ENDPOINT_DISABLED:
+        subject = f"Webhooks to {host} are stopped: the endpoint was disabled"
+        what = [
+            f"We disabled your webhook endpoint at {host}: {endpoint.disabled_reason}.",
+            "Deliveries to it have stopped. Once the receiver answers again, enable the",
+            "endpoint and recover the failed deliveries, from your webhooks portal or the",
+            "API (POST /api/v1/deliveries/recover/).",
+        ]
+    else:
+        subject = f"Webhooks to {host} are failing"
+        what = [
+            f"Deliveries to your webhook endpoint at {host} have been failing since",
+            f"{endpoint.failing_since:%Y-%m-%d %H:%M} UTC. They are being retried; if the",
+            "endpoint keeps failing it will be disabled. The delivery history in your",
+            "webhooks portal shows each attempt and the answer your receiver gave.",
+        ]
+    lines = [*what, "", f"Endpoint id: {endpoint.id}", f"Incident: {incident.id}"]
+    try:
+        send_mail(
+            subject=subject,
+            message="\n".join(lines),
+            from_email=settings.ALERTS_EMAIL_FROM or None,
+            recipient_list=[address],
+        )
+    except Exception as exc:  # recorded, not retried: one message at most
+        logger.warning(
+            "tenant email failed",
+            extra={
+                "action": "alert.tenant_email_failed",
+                "incident_id": incident.id,
+                "tenant_id": str(endpoint.tenant_id),
+                "error": str(exc)[:200],
+            },
+        )
+        _counted(incident, "email", "failed")
+        return f"failed: {type(exc).__name__}"
+    return _counted(incident, "email", "sent")
+
+
+def _counted(incident: OperationalEvent, channel: str, outcome: str) -> str:
+    TENANT_NOTIFICATIONS.labels(incident.kind, channel, outcome.replace(" ", "_")).inc()
+    return outcome

@@ -1,5 +1,20 @@
 from django.apps import AppConfig
 
+# What a host adds to its INSTALLED_APPS, in this order: the apps and the apps they need
+# (docs/install.md). Not drf_spectacular: the API's schema and docs page work without it,
+# and installed it runs its deploy check over the host's own DRF views, which fails
+# unless the host's DEFAULT_SCHEMA_CLASS is drf-spectacular's. A host whose own API uses
+# drf-spectacular lists it itself.
+TRUSTY_APPS = (
+    "rest_framework",
+    "django_filters",
+    "drf_spectacular_sidecar",  # Swagger UI's files for /api/docs/, without a CDN
+    "django_q",  # its Schedule rows: the maintenance schedules (install_schedules)
+    "deliveries",
+    "deliveries.jobs",  # the job machinery (label trusty_jobs)
+    "ingest",
+)
+
 
 class DeliveriesConfig(AppConfig):
     name = "deliveries"
@@ -10,6 +25,8 @@ class DeliveriesConfig(AppConfig):
     api_router = "deliveries.api.urls.router"
 
     def ready(self) -> None:
+        from django.db.models.signals import post_delete, post_save
+
         from deliveries.prometheus import register_provider
 
         from . import (
@@ -17,13 +34,19 @@ class DeliveriesConfig(AppConfig):
             services,
             tracing,
         )
+        from .catalogue import forget_schemas
         from .jobs import kinds
         from .jobs import services as job_services
         from .jobs.metrics import job_gauges
         from .metrics import delivery_gauges
+        from .models import EventType, EventTypeVersion
         from .queries import DELIVERY_KIND
         from .selectors import delivery_trace_contexts, tenant_choices
 
+        # A catalogue change made in this process applies to its next publish at once.
+        for model in (EventType, EventTypeVersion):
+            post_save.connect(forget_schemas, sender=model, dispatch_uid=f"forget-{model}")
+            post_delete.connect(forget_schemas, sender=model, dispatch_uid=f"forget-d-{model}")
         tracing.configure()
         register_provider("deliveries", delivery_gauges)
         # The background jobs' gauges, and the audit rows and tenant names their admin

@@ -1,14 +1,41 @@
 """System checks: a misconfigured setting fails loudly with a stable id."""
 
+import functools
 import ipaddress
 
 from django.core.checks import Error, Tags, Warning, register
 from django.db import connections
 
-from deliveries.conf import settings
+from deliveries.conf import setting_problems, settings
 
 
 @register()
+def check_setting_types(app_configs, **kwargs):
+    """Every setting of the installed apps reads as its type (deliveries/conf.py), and
+    ``TRUSTY_WEBHOOKS`` names only theirs: one error per setting."""
+    return [
+        Error(
+            message,
+            hint='The forms each setting takes: docs/install.md, "Settings as Python values".',
+            id=check_id,
+        )
+        for check_id, message in setting_problems()
+    ]
+
+
+def on_readable_settings(check):
+    """The checks of what the settings mean run once every setting reads as its type:
+    before, ``check_setting_types`` has said what is wrong, once."""
+
+    @functools.wraps(check)
+    def checked(app_configs, **kwargs):
+        return [] if setting_problems() else check(app_configs, **kwargs)
+
+    return checked
+
+
+@register()
+@on_readable_settings
 def check_delivery_settings(app_configs, **kwargs):
     from .policy import RetryPolicy
 
@@ -75,7 +102,35 @@ def check_delivery_settings(app_configs, **kwargs):
     return errors
 
 
+@register()
+@on_readable_settings
+def check_portal_settings(app_configs, **kwargs):
+    """The portal's look and links: colours that are CSS colours (a setting must not
+    inject CSS), a link life the maximum allows, and the session middleware it needs."""
+    from .portal.theme import color_problems
+
+    errors = [Error(p, id="deliveries.E060") for p in color_problems(settings.PORTAL_COLORS)]
+    if not 1 <= settings.PORTAL_LINK_TTL <= settings.PORTAL_LINK_MAX_TTL:
+        errors.append(
+            Error(
+                "PORTAL_LINK_TTL must be at least 1 and at most PORTAL_LINK_MAX_TTL.",
+                id="deliveries.E061",
+            )
+        )
+    if "django.contrib.sessions.middleware.SessionMiddleware" not in settings.MIDDLEWARE:
+        errors.append(
+            Warning(
+                "The portal keeps its session in Django's sessions: without "
+                "django.contrib.sessions.middleware.SessionMiddleware in MIDDLEWARE its "
+                "links cannot open it.",
+                id="deliveries.W060",
+            )
+        )
+    return errors
+
+
 @register(Tags.security)
+@on_readable_settings
 def check_encryption_keys(app_configs, **kwargs):
     """Every SECRETS_ENCRYPTION_KEYS entry must be a Fernet key: a bad one would fail
     the first secret read or written, not the start."""
@@ -83,7 +138,7 @@ def check_encryption_keys(app_configs, **kwargs):
 
     errors = []
     for position, key in enumerate(settings.SECRETS_ENCRYPTION_KEYS, start=1):
-        problem = None if str(key).strip() == FROM_SECRET_KEY else key_problem(str(key).strip())
+        problem = None if key == FROM_SECRET_KEY else key_problem(key)
         if problem:
             errors.append(
                 Error(
@@ -97,6 +152,7 @@ def check_encryption_keys(app_configs, **kwargs):
 
 
 @register(Tags.security, deploy=True)
+@on_readable_settings
 def check_encryption_keys_set(app_configs, **kwargs):
     """Without SECRETS_ENCRYPTION_KEYS the stored secrets are encrypted under a key
     derived from SECRET_KEY: they are then only as safe as SECRET_KEY, and rotating
@@ -138,13 +194,34 @@ def check_shared_cache(app_configs, **kwargs):
             f"The default cache ({backend.rsplit('.', 1)[-1]}) is not shared between "
             "processes and hosts: each gunicorn process would allow the whole API and "
             "inbound rate limits.",
-            hint="Leave CACHE_URL unset (the database cache) or point it at Redis.",
+            hint="Set CACHES['default'] to a cache every process shares: the database cache "
+            "on the table the apps' migrations create (LOCATION 'webhooks_cache') or Redis "
+            "(docs/install.md; the standalone service reads CACHE_URL).",
             id="deliveries.W002",
         )
     ]
 
 
+@register()
+def check_q_cluster(app_configs, **kwargs):
+    """The apps install django-q2 (its Schedule rows run the maintenance): without a
+    ``Q_CLUSTER``, django-q2 warns at every start of every command."""
+    if getattr(settings, "Q_CLUSTER", None):
+        return []
+    return [
+        Warning(
+            "Q_CLUSTER is not set: django-q2 prints 'Retry and timeout are misconfigured' "
+            "at every start, and a qcluster would run on django-q2's defaults (its Redis "
+            "broker on localhost).",
+            hint="Q_CLUSTER = q_cluster(), with: from deliveries.conf import q_cluster "
+            "(docs/install.md).",
+            id="deliveries.W004",
+        )
+    ]
+
+
 @register(Tags.security, deploy=True)
+@on_readable_settings
 def check_metrics_access(app_configs, **kwargs):
     """``check --deploy``: /metrics with neither a token nor an address refuses everyone,
     Prometheus included (safe, but surely not meant)."""

@@ -60,16 +60,14 @@ def derived_key(secret_key: str) -> bytes:
 def configured_keys() -> tuple[str, ...]:
     """The keys in force, newest first: the setting's (``from-secret-key`` standing for
     the derived key), or the derived key alone when the setting is empty."""
-    keys = [str(k).strip() for k in settings.SECRETS_ENCRYPTION_KEYS if str(k).strip()] or [
-        FROM_SECRET_KEY
-    ]
+    keys = settings.SECRETS_ENCRYPTION_KEYS or (FROM_SECRET_KEY,)  # stripped, none empty
     derived = derived_key(settings.SECRET_KEY).decode()
     return tuple(derived if k == FROM_SECRET_KEY else k for k in keys)
 
 
 def encrypts_under_derived_key() -> bool:
     """True when new secrets are encrypted under the key derived from SECRET_KEY."""
-    keys = [str(k).strip() for k in settings.SECRETS_ENCRYPTION_KEYS if str(k).strip()]
+    keys = settings.SECRETS_ENCRYPTION_KEYS
     return not keys or keys[0] == FROM_SECRET_KEY
 
 

@@ -15,7 +15,7 @@ from django.db.models import Q
 
 from deliveries.conf import settings
 
-from . import encryption
+from . import catalogue, encryption
 from .egress import ErrorKind, validate_endpoint_url
 from .headers import validate_endpoint_headers
 from .jobs.ids import uuid7
@@ -50,6 +50,14 @@ class Tenant(models.Model):
         db_default="UTC",
         validators=[validate_time_zone],
         help_text="IANA time zone name, e.g. Europe/Berlin.",
+    )
+    # Where the tenant is told about its endpoints (disabled, failing): set by the tenant
+    # in its portal, or by staff. db_default: older writers still insert.
+    notification_email = models.EmailField(
+        blank=True,
+        default="",
+        db_default="",
+        help_text="Told by email when one of its endpoints is disabled or keeps failing.",
     )
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -93,8 +101,11 @@ class Endpoint(models.Model):
     # the rule the API and the services apply too.
     url = models.URLField(max_length=2000)
     description = models.CharField(max_length=500, blank=True)
-    # Empty list: every event type.
-    event_types = models.JSONField(default=list, blank=True)
+    # Empty list: every event type. Entries are type names or dotted prefixes with a
+    # wildcard (invoice.*), deliveries.catalogue's rule.
+    event_types = models.JSONField(
+        default=list, blank=True, validators=[catalogue.validate_event_type_filter]
+    )
     enabled = models.BooleanField(default=True)
     disabled_reason = models.CharField(max_length=200, blank=True)
     disabled_at = models.DateTimeField(null=True, blank=True)
@@ -130,6 +141,12 @@ class Endpoint(models.Model):
         indexes = [
             # publish_event: the enabled endpoints of one tenant.
             models.Index(fields=["tenant", "enabled"], name="endpoint_tenant_enabled"),
+            # The alerts' endpoint_failing check: enabled endpoints failing for a while.
+            models.Index(
+                fields=["failing_since"],
+                condition=Q(enabled=True, failing_since__isnull=False),
+                name="endpoint_failing",
+            ),
             # Admission's every pass: the paused endpoints, whose rows it leaves out
             # (queries.PAUSED_ENDPOINTS). Partial: it holds the paused ones only.
             models.Index(
@@ -158,7 +175,7 @@ class Endpoint(models.Model):
         return self.paused_at is not None
 
     def subscribes_to(self, event_type: str) -> bool:
-        return not self.event_types or event_type in self.event_types
+        return catalogue.matches(self.event_types, event_type)
 
 
 class EndpointSecret(models.Model):
@@ -632,9 +649,22 @@ def endpoint_timeout(timeout: float | None) -> float:
     return min(timeout or settings.DELIVERY_TIMEOUT, settings.DELIVERY_MAX_TIMEOUT)
 
 
+class SchemaValidation(models.TextChoices):
+    """What publishing does with a payload that does not match its type's schema."""
+
+    REJECT = "reject", "Reject: publishing refuses the payload"
+    WARN = "warn", "Warn: log and count it, publish anyway"
+    OFF = "off", "Off: do not check"
+
+
 class EventType(models.Model):
-    """A kind of event, with the team that owns it and whether replaying it in bulk is
-    safe (a receiver that is not idempotent for it would double-charge, double-email…)."""
+    """A kind of event in the catalogue: what it means, the team that owns it, its
+    payload's JSON Schema per version (``versions``), and whether replaying it in bulk is
+    safe (a receiver that is not idempotent for it would double-charge, double-email…).
+
+    Tenants read the catalogue (``GET /api/v1/event-types/``, the portal); a type's
+    group is its dotted prefix (``invoice`` for ``invoice.paid``), which an endpoint
+    subscribes to as ``invoice.*``."""
 
     name = models.CharField(max_length=200, primary_key=True)
     owner = models.CharField(max_length=200, blank=True, help_text="Team or person to ask.")
@@ -642,9 +672,103 @@ class EventType(models.Model):
     replay_safe = models.BooleanField(
         default=False, help_text="Receivers handle a replay of this type without harm."
     )
+    # warn by default: a schema added to a type that code already publishes must not
+    # start rolling back the host's transactions (reject raises inside them).
+    # db_default: rows a previous release inserts still get a value.
+    validation = models.CharField(
+        max_length=8,
+        choices=SchemaValidation.choices,
+        default=SchemaValidation.WARN,
+        db_default=SchemaValidation.WARN,
+        help_text="What publishing does with a payload that does not match its schema.",
+    )
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(validation__in=SchemaValidation.values),
+                name="event_type_validation_valid",
+            ),
+        ]
 
     def __str__(self) -> str:
         return self.name
+
+    def clean(self) -> None:
+        if catalogue.event_type_problem(self.name or ""):
+            raise ValidationError({"name": catalogue.event_type_problem(self.name or "")})
+
+    @property
+    def group(self) -> str:
+        return catalogue.group_of(self.name)
+
+
+class EventTypeVersion(models.Model):
+    """One payload version of an event type: its JSON Schema and an example payload.
+    Versions are additive: a change that would refuse payloads the previous version took
+    is a new version, and publishers name the version they send (``payload_version``)."""
+
+    id = models.BigAutoField(primary_key=True)
+    # Indexed by event_type_version_unique, which leads with it.
+    event_type = models.ForeignKey(
+        EventType, on_delete=models.CASCADE, related_name="versions", db_index=False
+    )
+    version = models.PositiveSmallIntegerField(default=1)
+    schema = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="JSON Schema (Draft 2020-12) of the payload; {} accepts any payload.",
+    )
+    example = models.JSONField(
+        default=dict, blank=True, help_text="An example payload; it must match the schema."
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["event_type", "version"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["event_type", "version"], name="event_type_version_unique"
+            ),
+            models.CheckConstraint(condition=Q(version__gte=1), name="event_type_version_min"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.event_type_id} v{self.version}"
+
+    def clean(self) -> None:
+        # Here, not only in the field's validator, which an empty list ([]) skips.
+        try:
+            catalogue.validate_json_schema(self.schema)
+        except ValidationError as exc:
+            raise ValidationError({"schema": exc.messages}) from None
+        problem = catalogue.example_problem(self.schema, self.example)
+        if problem:
+            raise ValidationError({"example": problem})
+
+
+class PortalLink(models.Model):
+    """A short-lived, single-use link into one tenant's portal (deliveries.portal). Only
+    a SHA-256 of its token is stored (256 random bits: nothing to brute-force); opening
+    it marks it used, in a guarded UPDATE, and starts a portal session for the tenant."""
+
+    id = models.BigAutoField(primary_key=True)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
+    token_hash = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField()
+    used_at = models.DateTimeField(null=True, blank=True)
+    # Who asked: "python", "api key 12".
+    via = models.CharField(max_length=100, blank=True)
+
+    class Meta:
+        indexes = [
+            # Retention: links past their expiry, oldest first.
+            models.Index(fields=["expires_at"], name="portal_link_expires"),
+        ]
+
+    def __str__(self) -> str:
+        return f"portal link {self.id} of {self.tenant_id}"
 
 
 class AuditEntry(models.Model):
@@ -679,6 +803,7 @@ class OperationalEvent(models.Model):
     class Kind(models.TextChoices):
         DEAD_LETTERS = "dead_letters"
         ENDPOINT_DISABLED = "endpoint_disabled"
+        ENDPOINT_FAILING = "endpoint_failing"
         VERIFICATION_FAILURES = "verification_failures"
         DEAD_JOBS = "dead_jobs"
 

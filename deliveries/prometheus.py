@@ -61,6 +61,14 @@ INBOUND_RECEIVED = Counter(
     "Authentic inbound requests stored, by source and whether they were duplicates.",
     ["source", "duplicate"],
 )
+INBOUND_EMAILS = Counter(
+    "webhooks_inbound_emails_total",
+    "Inbound emails by source and outcome, one per accepted recipient: accepted (stored "
+    "for processing), duplicate (its Message-ID was stored for that recipient already), "
+    "rejected (stored as evidence, never processed). Refusals are counted in "
+    "webhooks_inbound_refused_total.",
+    ["source", "outcome"],
+)
 INBOUND_HANDLER_DURATION = Histogram(
     "webhooks_inbound_handler_duration_seconds",
     "Time one registered inbound handler took on one event, by handler and outcome.",
@@ -112,6 +120,17 @@ OPERATIONAL_EVENTS = Counter(
     "webhooks_operational_events_total",
     "Operational events (incidents) opened, by kind.",
     ["kind"],
+)
+EVENT_SCHEMA_MISMATCHES = Counter(
+    "webhooks_event_schema_mismatches_total",
+    "Published payloads that did not match their type's schema, by type and mode (reject: "
+    "refused; warn: published anyway). Only catalogued types with a schema count.",
+    ["event_type", "mode"],
+)
+TENANT_NOTIFICATIONS = Counter(
+    "webhooks_tenant_notifications_total",
+    "Notifications sent to tenants about their endpoints, by kind, channel and outcome.",
+    ["kind", "channel", "outcome"],
 )
 PRUNED_ROWS = Counter(
     "webhooks_pruned_rows_total",

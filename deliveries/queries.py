@@ -607,15 +607,18 @@ def _(params):
 # The event and one pending delivery per subscribed, enabled endpoint, in one statement
 # (the ORM takes three and builds a model per row); the delivery table's trigger lists
 # them (models.DeliveryListing). The subscription test is
-# Endpoint.subscribes_to's: no event types means every type. Columns the statement leaves
-# out take the models' defaults, which the ORM path writes explicitly; keep both in step
+# Endpoint.subscribes_to's (deliveries.catalogue): no event types means every type, else
+# the filter holds one of ``patterns``, the type's name and its prefixes' wildcards.
+# Columns the statement leaves out take the models' defaults, which the ORM path writes
+# explicitly; keep both in step
 # (tests/deliveries/test_pipeline.py compares them). When deliveries were written and are
 # due now, the statement also wakes the scheduler (deliveries.jobs.wakeup.DUE): pg_notify is
 # delivered with the caller's commit, never on a rollback, and PostgreSQL folds the
 # notifications of one transaction into one. (A NOTIFY statement of its own cost the
 # publishing process 150 µs a publish, a third of the rest.) Params: the event's columns
-# (EVENT_COLUMNS, ``id``), ``now`` (its creation time), ``due`` and ``only`` (endpoint
-# ids, or None for the subscribed ones).
+# (EVENT_COLUMNS, ``id``), ``now`` (its creation time), ``due``, ``patterns``
+# (catalogue.filter_patterns of the type) and ``only`` (endpoint ids, or None for the
+# subscribed ones).
 PUBLISH = Statement(
     """
 WITH event AS (
@@ -634,7 +637,7 @@ WITH event AS (
     FROM event, deliveries_endpoint AS endpoint
     WHERE endpoint.tenant_id = %(tenant_id)s AND endpoint.enabled
         AND CASE WHEN %(only)b::uuid[] IS NULL
-            THEN endpoint.event_types = '[]'::jsonb OR endpoint.event_types ? %(event_type)s
+            THEN endpoint.event_types = '[]'::jsonb OR endpoint.event_types ?| %(patterns)b::text[]
             ELSE endpoint.id = ANY(%(only)b::uuid[]) END
     RETURNING 1
 )

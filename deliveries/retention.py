@@ -39,6 +39,7 @@ from .models import (
     EndpointHour,
     Event,
     OperationalEvent,
+    PortalLink,
 )
 
 logger = logging.getLogger("deliveries.retention")
@@ -126,8 +127,16 @@ register(Pruner("deliveries", _deliveries))
 register(Pruner("outbox", _outbox))
 register(Pruner("events", _events))
 register(Pruner("loop_runs", _loop_runs))
+
+
+def _portal_links(now: datetime) -> list[QuerySet]:
+    # A day past its expiry a link is of no use, not even to explain a refusal.
+    return [PortalLink.objects.filter(expires_at__lt=now - days(1)).order_by("expires_at")]
+
+
 register(Pruner("operational_events", _operational_events))
 register(Pruner("tallies", _tallies))
+register(Pruner("portal_links", _portal_links))
 
 
 # --- Running ----------------------------------------------------------------------------

@@ -5,6 +5,7 @@ commands and the application's own code. Delivery state changes themselves live 
 import contextlib
 import hashlib
 import json
+import logging
 import secrets
 import uuid
 from collections.abc import Iterable
@@ -12,12 +13,14 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.core.exceptions import ValidationError
+from django.core.serializers.json import DjangoJSONEncoder
+from django.core.validators import validate_email
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from deliveries.conf import settings
 
-from . import encryption, queries, state, tracing
+from . import catalogue, encryption, queries, state, tracing
 from .egress import validate_endpoint_url
 from .headers import validate_endpoint_headers
 from .jobs.ids import uuid7
@@ -29,11 +32,15 @@ from .models import (
     Endpoint,
     EndpointSecret,
     Event,
+    SchemaValidation,
     Tenant,
 )
+from .prometheus import EVENT_SCHEMA_MISMATCHES
 from .selectors import egress_policy_for
 from .signing import generate_secret
 from .timezones import validate_time_zone
+
+logger = logging.getLogger("deliveries.services")
 
 
 class DomainError(Exception):
@@ -42,9 +49,10 @@ class DomainError(Exception):
     code = "invalid"
     status = 400
 
-    def __init__(self, message: str, *, code: str | None = None) -> None:
+    def __init__(self, message: str, *, code: str | None = None, details=None) -> None:
         super().__init__(message)
         self.message = message
+        self.details = details
         if code:
             self.code = code
 
@@ -54,9 +62,53 @@ class PayloadTooLarge(DomainError):
     status = 413
 
 
+class PayloadInvalid(DomainError):
+    """The payload does not match its type's schema, whose mode is ``reject``."""
+
+    code = "payload_invalid"
+    status = 422
+
+
+def check_payload(*, event_type: str, payload_version: int, payload: Any) -> None:
+    """The catalogue's verdict on a payload (deliveries.catalogue): ``reject`` raises
+    PayloadInvalid naming the failing JSON path; ``warn`` logs and counts it (the path and
+    the failing keyword, never the value) and lets it through."""
+    problem = catalogue.schema_problem(event_type, payload_version, payload)
+    if problem is None:
+        return
+    EVENT_SCHEMA_MISMATCHES.labels(event_type, problem.mode).inc()
+    if problem.mode == SchemaValidation.REJECT:
+        raise PayloadInvalid(
+            problem.sentence(),
+            details={
+                "path": problem.path,
+                "schema_path": problem.schema_path,
+                "event_type": event_type,
+                "payload_version": payload_version,
+            },
+        )
+    logger.warning(
+        "payload does not match its schema",
+        extra={
+            "action": "event.schema_mismatch",
+            "event_type": event_type,
+            "payload_version": payload_version,
+            "path": problem.path,
+            "reason": problem.reason,
+        },
+    )
+
+
 def encode_payload(payload: Any) -> bytes:
-    """The body bytes sent on every attempt: compact JSON, fixed once at publish."""
-    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+    """The body bytes sent on every attempt: compact JSON, fixed once at publish.
+
+    Django's JSON encoder, so that what a model gives (a ``Decimal`` amount, a
+    ``datetime``, a ``UUID``) is written as Django writes it (a string; ISO 8601 for
+    times). ``NaN`` and infinities are refused (``ValueError``): no JSON parser reads them.
+    """
+    return json.dumps(
+        payload, cls=DjangoJSONEncoder, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode()
 
 
 def publish_event(
@@ -92,8 +144,9 @@ def publish_event(
         raise PayloadTooLarge(
             f"payload is {len(body)} bytes; the limit is {settings.DELIVERY_MAX_PAYLOAD_BYTES}"
         )
-    if not event_type or len(event_type) > 200:
-        raise DomainError("event_type must be 1 to 200 characters", code="invalid_event_type")
+    if problem := catalogue.event_type_problem(event_type):
+        raise DomainError(problem, code="invalid_event_type")
+    check_payload(event_type=event_type, payload_version=payload_version, payload=payload)
     if deliver_at is not None and timezone.is_naive(deliver_at):
         raise DomainError(
             "deliver_at needs a time zone (an aware datetime); the service runs on UTC",
@@ -125,7 +178,16 @@ def publish_event(
         transaction.atomic(savepoint=idempotency_key is not None),
     ):
         event = Event(id=uuid7(), created_at=now, **fields)
-        queries.PUBLISH({**fields, "id": event.id, "now": now, "due": due, "only": only})
+        queries.PUBLISH(
+            {
+                **fields,
+                "id": event.id,
+                "now": now,
+                "due": due,
+                "only": only,
+                "patterns": catalogue.filter_patterns(event_type),
+            }
+        )
         event._state.adding = False
         event._state.db = connection.alias
         if span is not None:
@@ -281,6 +343,27 @@ def tenant_get_or_create(
         ) from exc
 
 
+def tenant_set_notification_email(*, tenant: Tenant, email: str, actor=None, via: str = "") -> None:
+    """Where the tenant is told about its endpoints (deliveries.alerts); "" for nowhere."""
+    email = email.strip()
+    if email:
+        try:
+            validate_email(email)
+        except ValidationError as exc:
+            raise DomainError(f"notification_email: {exc.messages[0]}") from exc
+    with transaction.atomic():
+        Tenant.objects.filter(id=tenant.id).update(notification_email=email)
+        audit(
+            actor=actor,
+            action="tenant.notification_email",
+            target="tenant",
+            count=1,
+            tenant=str(tenant.id),
+            via=via,
+        )
+    tenant.notification_email = email
+
+
 # --- Endpoints -----------------------------------------------------------------------
 
 
@@ -293,13 +376,14 @@ def endpoint_create(
     **options: Any,
 ) -> tuple[Endpoint, str]:
     """A new endpoint and its first signing secret (returned so it can be shown once)."""
-    _check_endpoint_fields({"url": url, **options}, tenant_id=tenant.id)
+    event_types = list(event_types)
+    _check_endpoint_fields({"url": url, "event_types": event_types, **options}, tenant_id=tenant.id)
     secret = generate_secret()
     with transaction.atomic():
         endpoint = Endpoint.objects.create(
             tenant=tenant,
             url=url,
-            event_types=list(event_types),
+            event_types=event_types,
             description=description,
             **options,
         )
@@ -318,6 +402,9 @@ def _check_endpoint_fields(
             url, egress_policy_for(tenant_id=tenant_id, endpoint_id=endpoint_id)
         ),
         "headers": validate_endpoint_headers,
+        "event_types": catalogue.validate_event_type_filter,
+        "rate_limit": lambda rate: _at_most(rate, settings.DELIVERY_ENDPOINT_RATE_CEILING),
+        "max_concurrency": lambda n: _at_most(n, settings.DELIVERY_ENDPOINT_CONCURRENCY_CEILING),
     }
     for name, check in checks.items():
         if name not in fields:
@@ -328,8 +415,14 @@ def _check_endpoint_fields(
             raise DomainError(f"{name}: {' '.join(exc.messages)}") from exc
 
 
+def _at_most(value, ceiling) -> None:
+    """The operator's ceiling on what an endpoint may ask for."""
+    if value is not None and value > ceiling:
+        raise ValidationError(f"at most {ceiling:g}, the service's ceiling")
+
+
 def endpoint_rotate_secret(
-    *, endpoint: Endpoint, overlap: timedelta = timedelta(hours=24), actor=None
+    *, endpoint: Endpoint, overlap: timedelta = timedelta(hours=24), actor=None, via: str = ""
 ) -> str:
     """Add a new secret; the current ones keep signing for ``overlap`` so receivers can
     switch without dropping a message. Returns the new secret."""
@@ -347,8 +440,22 @@ def endpoint_rotate_secret(
             target="endpoint",
             count=1,
             endpoint=str(endpoint.id),
+            via=via,
         )
     return secret
+
+
+TEST_EVENT_TYPE = "webhook.test"
+
+
+def endpoint_send_test(*, endpoint: Endpoint) -> Event:
+    """Publish a ``webhook.test`` event to this endpoint alone, whatever its filter."""
+    return publish_event(
+        tenant=endpoint.tenant_id,
+        event_type=TEST_EVENT_TYPE,
+        payload={"message": "test event", "endpoint_id": str(endpoint.id)},
+        endpoint_ids=[endpoint.id],
+    )
 
 
 def active_secrets(
@@ -400,7 +507,7 @@ def endpoint_update(*, endpoint: Endpoint, **changes: Any) -> Endpoint:
     return endpoint
 
 
-def endpoint_enable(*, endpoint: Endpoint, actor=None) -> bool:
+def endpoint_enable(*, endpoint: Endpoint, actor=None, via: str = "") -> bool:
     with transaction.atomic():
         changed = bool(
             Endpoint.objects.filter(id=endpoint.id, enabled=False).update(
@@ -414,6 +521,7 @@ def endpoint_enable(*, endpoint: Endpoint, actor=None) -> bool:
                 target="endpoint",
                 count=1,
                 endpoint=str(endpoint.id),
+                via=via,
             )
     return changed
 

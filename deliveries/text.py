@@ -13,14 +13,15 @@ import re
 from typing import Any
 
 # The service's own secrets, wherever they turn up (an exception message, a traceback):
-# an endpoint signing secret ``whsec_…`` or an API key ``whk_…``.
-_SECRET = re.compile(r"(whsec_|whk_)[A-Za-z0-9+/=_\-]{6,}")
+# an endpoint signing secret ``whsec_…``, an API key ``whk_…`` or a portal link's token
+# ``whp_…``.
+_SECRET = re.compile(r"(whsec_|whk_|whp_)[A-Za-z0-9+/=_\-]{6,}")
 
 
 def mask_secrets(text: str) -> str:
     """``text`` with anything shaped like one of the service's secrets masked: the log
     formatter's second line of defence, and what a job's stored traceback goes through."""
-    if "whsec_" not in text and "whk_" not in text:
+    if "whsec_" not in text and "whk_" not in text and "whp_" not in text:
         return text
     return _SECRET.sub(lambda m: m.group(1) + "[redacted]", text)
 

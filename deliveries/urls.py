@@ -8,11 +8,12 @@ imports ingest, and the host's admin stays the host's.
 """
 
 from django.apps import apps
-from django.urls import include, path
+from django.urls import include, path, re_path
 from django.utils.module_loading import import_string
 
 from . import health, prometheus
 from .api.base import ApiRouter
+from .api.errors import api_not_found
 
 
 def _api_v1() -> ApiRouter:
@@ -37,5 +38,9 @@ urlpatterns = [
     path("metrics", prometheus.metrics_view, name="metrics"),
     path("api/v1/", include(_api_v1().urls)),
     path("api/", include("deliveries.api.urls")),
+    # Anything else under api/ is the API's JSON 404, not the host's HTML page.
+    re_path(r"^api/", api_not_found),
+    # The customer portal (deliveries/portal/): a tenant's own pages, opened by a link.
+    path("portal/", include("deliveries.portal.urls")),
     *_app_routes(),
 ]

@@ -1,21 +1,30 @@
-"""Staff views of inbound webhooks: sources, events (with reprocess), refusals."""
+"""Staff views of inbound webhooks: sources, events (with reprocess), inbound emails
+(with reprocess), refusals."""
 
 from django import forms
 from django.contrib import admin, messages
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
-from deliveries.admin import CappedCountPaginator, ReadOnlyAdmin
+from deliveries.admin import CappedCountPaginator, ReadOnlyAdmin, state_badge
 from deliveries.jobs.console import AuditedEdits, ConsoleAdmin
 
-from . import processing
+from . import mail, processing
 from .backfill import (
     BackfillError,
     backfill_options_check,
     backfill_run_create,
     backfill_run_start,
 )
-from .models import BackfillRun, HandlerRun, InboundEvent, PollSource, Source, VerificationFailure
+from .models import (
+    BackfillRun,
+    HandlerRun,
+    InboundEmail,
+    InboundEvent,
+    PollSource,
+    Source,
+    VerificationFailure,
+)
 from .poll_sources import poll_source_create, poll_source_poll_now
 from .selectors import backfill_progress, body_shown, headers_shown
 
@@ -118,6 +127,111 @@ class InboundEventAdmin(ReadOnlyAdmin):
     def has_change_permission(self, request, obj=None):
         # Only for the reprocess action: every field stays read-only.
         return obj is None and request.user.has_perm("ingest.change_inboundevent")
+
+
+@admin.register(InboundEmail)
+class InboundEmailAdmin(ReadOnlyAdmin):
+    """Mail received by the SMTP listener and the providers' posts: one row per
+    accepted recipient, newest first (index inbound_email_received)."""
+
+    list_display = [
+        "received_at",
+        "subject_line",
+        "mail_from",
+        "recipient",
+        "badge",
+        "transport",
+        "rejected_reason",
+    ]
+    list_filter = ["transport", "event__state", "event__source"]
+    search_fields = ["=message_id", "=mail_from", "=recipient"]
+    list_select_related = ["event__source"]
+    show_full_result_count = False
+    paginator = CappedCountPaginator
+    ordering = ["-received_at"]
+    actions = ["reprocess"]
+    fields = [
+        "source",
+        "badge",
+        "received_at",
+        "transport",
+        "remote_addr",
+        "tls",
+        "authenticated_as",
+        "mail_from",
+        "recipient",
+        "recipients",
+        "from_address",
+        "to",
+        "cc",
+        "subject",
+        "sent_at",
+        "message_id",
+        "size",
+        "rejected_reason",
+        "authentication",
+        "attachments",
+        "handler_runs",
+        "body_text",
+        "raw_headers",
+    ]
+    readonly_fields = fields
+
+    def has_reprocess_permission(self, request):
+        return request.user.has_perm("ingest.reprocess_inboundemail")
+
+    @admin.action(description="Process again (audited)", permissions=["reprocess"])
+    def reprocess(self, request, queryset):
+        n = processing.inbound_reprocess(
+            event_ids=list(queryset.values_list("event_id", flat=True)),
+            actor=request.user,
+            action="inbound_email.reprocess",
+            target="inbound_email",
+        )
+        self.message_user(request, f"{n} emails queued for processing again.", messages.SUCCESS)
+
+    @admin.display(description="subject", ordering="subject")
+    def subject_line(self, email):
+        return email.subject[:80] or "(no subject)"
+
+    @admin.display(description="state")
+    def badge(self, email):
+        return state_badge(email.event.state)
+
+    @admin.display(description="source")
+    def source(self, email):
+        return email.event.source.slug
+
+    @admin.display(description="handler runs")
+    def handler_runs(self, email):
+        runs = email.event.runs.order_by("id")[:50]
+        if not runs:
+            return "none yet"
+        return format_html_join(
+            "",
+            "<div><code>#{} {} {} {} ms {}</code></div>",
+            (
+                (r.attempt, r.handler or "-", r.outcome, round(r.duration_ms, 1), r.error[:300])
+                for r in runs
+            ),
+        )
+
+    @admin.display(description="message (text)")
+    def body_text(self, email):
+        if email.rejected_reason:
+            return "not shown: the message was rejected"
+        content = mail.read(bytes(email.event.body))
+        text = content.text or content.html
+        return format_html("<pre style='white-space:pre-wrap'>{}</pre>", text[:20_000])
+
+    @admin.display(description="headers")
+    def raw_headers(self, email):
+        head = bytes(email.event.body).split(b"\r\n\r\n", 1)[0][:20_000]
+        lines = head.decode("utf-8", "replace").splitlines()
+        return format_html(
+            "<pre style='white-space:pre-wrap'>{}</pre>",
+            "\n".join(mail.clean(line) for line in lines),
+        )
 
 
 @admin.register(VerificationFailure)

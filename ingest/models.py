@@ -155,6 +155,65 @@ class InboundEvent(models.Model):
         return f"{self.source_id}:{self.event_id}"
 
 
+class InboundEmail(models.Model):
+    """An inbound event that is an email: its envelope and what the receive path read
+    of the message. The raw message is the event's body, kept under the events'
+    retention. One per accepted recipient of a message (the event's type is that
+    recipient's address without its plus tag, so each address's handlers run), written
+    in the transaction that stores the event."""
+
+    class Transport(models.TextChoices):
+        SMTP = "smtp"
+        MAILGUN = "mailgun"
+        POSTMARK = "postmark"
+        SENDGRID = "sendgrid"
+
+    event = models.OneToOneField(
+        InboundEvent, primary_key=True, on_delete=models.CASCADE, related_name="email"
+    )
+    transport = models.CharField(max_length=16, choices=Transport.choices)
+    # The dedupe key's source: the Message-ID header (without its angle brackets).
+    message_id = models.TextField(blank=True)
+    # The envelope: MAIL FROM, the recipient this event is for, every accepted one.
+    mail_from = models.CharField(max_length=320, blank=True)
+    recipient = models.CharField(max_length=320)
+    recipients = models.JSONField(default=list)
+    # The message's own headers, decoded (empty for a message rejected before reading).
+    from_address = models.CharField(max_length=320, blank=True)
+    to = models.JSONField(default=list, blank=True)
+    cc = models.JSONField(default=list, blank=True)
+    subject = models.TextField(blank=True)
+    sent_at = models.DateTimeField(null=True, blank=True)
+    size = models.PositiveIntegerField()
+    # [{"filename", "content_type", "size"}]: what the checks read, not the bytes.
+    attachments = models.JSONField(default=list, blank=True)
+    # Recorded, not guessed: the provider's verdicts (spf, dkim, dmarc from its
+    # Authentication-Results, "by" naming who wrote them) or the listener's own DKIM
+    # check; {} when nobody checked.
+    authentication = models.JSONField(default=dict, blank=True)
+    # Where it came from: the SMTP peer (and whether TLS and AUTH were used) or the
+    # provider's address.
+    remote_addr = models.CharField(max_length=100, blank=True)
+    tls = models.BooleanField(default=False)
+    authenticated_as = models.CharField(max_length=200, blank=True)
+    # Why the message was stored rejected (ingest.mail.REASONS), "" if accepted.
+    rejected_reason = models.CharField(max_length=40, blank=True)
+    received_at = models.DateTimeField()
+
+    class Meta:
+        indexes = [
+            # The admin's list, newest first.
+            models.Index(fields=["-received_at"], name="inbound_email_received"),
+        ]
+        permissions = [
+            # Runs the handlers of stored mail again: more than looking at it.
+            ("reprocess_inboundemail", "Can process inbound emails again"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.subject[:60] or '(no subject)'} to {self.recipient}"
+
+
 class HandlerRun(models.Model):
     """One run of one handler on one inbound event, append-only."""
 

@@ -30,8 +30,9 @@ from deliveries.policy import RetryPolicy
 from deliveries.prometheus import INBOUND_HANDLER_DURATION, INBOUND_PROCESSED
 from ingest.conf import settings
 
-from .handlers import ParsedEvent, handlers_for
-from .models import HandlerRun, InboundEvent, InboundState, Source
+from . import mail
+from .handlers import InboundMessage, ParsedEvent, handlers_for
+from .models import HandlerRun, InboundEmail, InboundEvent, InboundState, Source
 from .queries import COMPLETE, KIND, LEASE, LOCK_VERSIONS, write_outbox
 from .schemes import Request, get_scheme
 
@@ -348,25 +349,52 @@ def _apply_one(row: _Leased, source: Source, token: uuid.UUID, lock_key: str) ->
 
 
 def _parsed(rows: list[_Leased], sources: dict) -> list[ParsedEvent]:
-    """What the handlers of each event in ``rows`` are given."""
+    """What the handlers of each event in ``rows`` are given: a ParsedEvent, or for
+    mail an InboundMessage, the stored message parsed again with its envelope."""
     schemes = {
         i: get_scheme(source.scheme, source.options or None) for i, source in sources.items()
     }
-    return [
-        ParsedEvent(
-            id=str(r.id),
-            source=sources[r.source_id].slug,
-            event_id=r.event_id,
-            event_type=r.event_type,
-            entity_id=r.entity_id,
-            occurred_at=r.occurred_at,
-            payload=schemes[r.source_id].parse(Request(headers=r.headers, body=r.body)),
-            body=r.body,
-            headers=r.headers,
-            attempt=r.attempt,
+    emails = InboundEmail.objects.in_bulk([r.id for r in rows if schemes[r.source_id].is_email])
+    parsed: list[ParsedEvent] = []
+    for r in rows:
+        common = {
+            "id": str(r.id),
+            "source": sources[r.source_id].slug,
+            "event_id": r.event_id,
+            "event_type": r.event_type,
+            "entity_id": r.entity_id,
+            "occurred_at": r.occurred_at,
+            "body": r.body,
+            "headers": r.headers,
+            "attempt": r.attempt,
+        }
+        email = emails.get(r.id)
+        if email is None:
+            payload = schemes[r.source_id].parse(Request(headers=r.headers, body=r.body))
+            parsed.append(ParsedEvent(payload=payload, **common))
+            continue
+        content = mail.read(r.body)
+        parsed.append(
+            InboundMessage(
+                payload=content.message,
+                **common,
+                transport=email.transport,
+                mail_from=email.mail_from,
+                recipient=email.recipient,
+                recipients=tuple(email.recipients),
+                from_address=email.from_address,
+                to=tuple(email.to),
+                cc=tuple(email.cc),
+                subject=email.subject,
+                message_id=email.message_id,
+                text=content.text,
+                html=content.html,
+                attachments=content.attachments,
+                authentication=dict(email.authentication),
+                message=content.message,
+            )
         )
-        for r in rows
-    ]
+    return parsed
 
 
 def _apply(
@@ -400,17 +428,22 @@ def _apply(
     for r, event in zip(rows, parsed, strict=True):
         t_event = time.perf_counter()
         slug = sources[r.source_id].slug
+        # Each email is a message of its own, never a newer copy of an older one: it is
+        # applied in its turn (by its Date within a batch), never skipped as stale.
+        is_email = isinstance(event, InboundMessage)
         stale = False
         key = keys.get(r.id)
         if key and r.occurred_at is not None:
             if key in applied and r.occurred_at < applied[key]:
-                stale = True
+                stale = not is_email
             else:
                 applied[key] = r.occurred_at
                 latest[key] = (r.occurred_at, r.id)
         registrations = registered.get((slug, r.event_type))
         if registrations is None:
-            registrations = registered[slug, r.event_type] = handlers_for(slug, r.event_type)
+            registrations = registered[slug, r.event_type] = handlers_for(
+                slug, r.event_type, email=is_email
+            )
         started = timezone.now()
         ran = 0
         for registration in registrations:
@@ -542,8 +575,16 @@ def _finish(
     ).update(**fields)
 
 
-def inbound_reprocess(*, event_ids: Sequence[uuid.UUID], actor=None) -> int:
-    """Process events again (staff), audited; the handlers must be idempotent for it."""
+def inbound_reprocess(
+    *,
+    event_ids: Sequence[uuid.UUID],
+    actor=None,
+    action: str = "inbound.reprocess",
+    target: str = "inbound_event",
+) -> int:
+    """Process events again (staff), audited as ``action`` on ``target`` (the inbound
+    emails' page audits its own); the handlers must be idempotent for it. Rejected and
+    unfinished events are left as they are."""
     from deliveries.services import audit
 
     now = timezone.now()
@@ -554,8 +595,8 @@ def inbound_reprocess(*, event_ids: Sequence[uuid.UUID], actor=None) -> int:
         ).update(state=InboundState.PENDING, next_attempt_at=now, attempt_count=0)
         audit(
             actor=actor,
-            action="inbound.reprocess",
-            target="inbound_event",
+            action=action,
+            target=target,
             count=n,
             ids=[str(i) for i in list(event_ids)[:100]],
         )

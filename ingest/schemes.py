@@ -31,14 +31,17 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import ipaddress
 import json
 import re
 import string
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from email import policy as email_policy
+from email.parser import BytesParser
 from typing import Any, ClassVar
 from urllib.parse import parse_qs
 
@@ -53,6 +56,10 @@ REASONS = frozenset(
         "stale_timestamp",
         "future_timestamp",
         "no_secret",
+        # Mail providers' posts (basic auth, an optional IP allow-list, Mailgun's tokens).
+        "ip_not_allowed",
+        "insecure_transport",
+        "replayed_token",
     }
 )
 
@@ -75,6 +82,8 @@ class Request:
 
     headers: Mapping[str, str]  # names lower-cased
     body: bytes  # the raw bytes, exactly as received
+    remote: str = ""  # the peer's address (REMOTE_ADDR), for IP allow-lists
+    secure: bool = True  # whether it came over HTTPS (basic auth needs it)
 
 
 class VerificationFailed(Exception):
@@ -279,6 +288,10 @@ class Scheme:
     # body or the signed content). When it is not, anyone holding one genuine request can
     # resend it under a fresh id; the receive view then dedupes on the body's hash too.
     signs_event_id: bool = True
+    # Mail sources (EmailScheme): the receive paths store their posts as inbound emails.
+    is_email: ClassVar[bool] = False
+    # A new source's body-size limit unless told otherwise.
+    default_max_body_bytes: ClassVar[int] = 1024 * 1024
 
     def __init__(self, **options: Any) -> None:
         if options:
@@ -300,6 +313,15 @@ class Scheme:
         Secrets that cannot be keys (empty, or not base64 where the scheme needs it) are
         skipped; with none left the reason is ``no_secret``.
         """
+        keys = self._keys(secrets)
+        candidates, timestamp, content = self._offered(request)
+        if not _any_match(candidates, (_hmac(k, content, self.algorithm) for k in keys)):
+            raise VerificationFailed("bad_signature")
+        if timestamp is not None:
+            _check_window(int(timestamp), now, tolerance)
+
+    def _keys(self, secrets: Sequence[str]) -> list[bytes]:
+        """The keys of the configured secrets that can be keys; ``no_secret`` if none."""
         if isinstance(secrets, str | bytes):
             # A bare string is a Sequence of one-character secrets: refuse, loudly.
             raise TypeError("secrets must be a sequence of secrets, not one string")
@@ -311,11 +333,7 @@ class Scheme:
                 continue
         if not keys:
             raise VerificationFailed("no_secret")
-        candidates, timestamp, content = self._offered(request)
-        if not _any_match(candidates, (_hmac(k, content, self.algorithm) for k in keys)):
-            raise VerificationFailed("bad_signature")
-        if timestamp is not None:
-            _check_window(int(timestamp), now, tolerance)
+        return keys
 
     def _offered(self, request: Request) -> tuple[list[bytes], str | None, bytes]:
         """(offered MACs, timestamp as sent or None, signed content); raises
@@ -843,11 +861,412 @@ class Polled(Scheme):
         raise NotImplementedError("polled sources are not posted to")
 
 
+# --- Mail sources -----------------------------------------------------------------------
+
+_MULTIPART = "multipart/form-data"
+
+
+@dataclass(frozen=True)
+class MailPost:
+    """A message as a mail source hands it over: the raw RFC 5322 bytes and its
+    envelope (the recipients the message is delivered to, the envelope sender), with any
+    verdicts the provider gave outside the message (SendGrid's ``SPF`` and ``dkim``
+    fields)."""
+
+    raw: bytes
+    recipients: tuple[str, ...]
+    mail_from: str
+    verdicts: Mapping[str, str] = field(default_factory=dict)
+
+
+class EmailScheme(Scheme):
+    """A mail source: the SMTP listener's (``smtp``) or a provider's inbound parse
+    (``mailgun``, ``postmark``, ``sendgrid``). Every one hands over the raw message
+    (``mail``); the receive path inspects and stores it as inbound emails
+    (``ingest.receiving.email_receive``). Options, all optional:
+
+    - ``addresses``: what mail is accepted for: ``support@example.com`` (with its plus
+      forms), ``@example.com`` (a whole domain), shell patterns
+      (``*@inbound.example.com``). The SMTP listener refuses other recipients at RCPT
+      and takes nothing without them; for a provider, empty means whatever its routes
+      post, and a post for none of them is stored rejected (``no_accepted_recipient``).
+    - ``separator`` (``+``): the plus-address separator; ``support+ticket-123@…`` is
+      about the entity ``ticket-123``.
+    - ``entity_header`` and ``entity_pattern``: where the entity comes from when the
+      recipient has no tag: the first group of a regular expression searched in a header
+      (``Subject`` and ``\\[#(\\d+)\\]``).
+    - ``authserv_id``: whose ``Authentication-Results`` header holds the provider's
+      verdicts (default: the topmost, the one the receiving provider wrote).
+    - ``allow_ips``: the networks (CIDRs) a provider posts from; empty: any.
+    - ``allow_http``: take basic-auth posts over plain HTTP (default: HTTPS only).
+    """
+
+    is_email = True
+    content_types = (_FORM, _MULTIPART)
+    # A message with attachments, base64-encoded (4/3) inside a form post.
+    default_max_body_bytes = 25 * 1024 * 1024
+    OPTIONS: ClassVar[frozenset[str]] = frozenset(
+        {
+            "addresses",
+            "separator",
+            "entity_header",
+            "entity_pattern",
+            "authserv_id",
+            "allow_ips",
+            "allow_http",
+        }
+    )
+
+    def __init__(self, **options: Any) -> None:
+        unknown = set(options) - self.OPTIONS
+        if unknown:
+            raise ValueError(f"unknown {self.name} scheme options {sorted(unknown)}")
+        addresses = options.get("addresses") or []
+        if not isinstance(addresses, list | tuple) or not all(
+            isinstance(a, str) and a.strip() and "@" in a for a in addresses
+        ):
+            raise ValueError("option 'addresses' is a list of addresses, '@domain's or patterns")
+        self.addresses = tuple(a.strip().lower() for a in addresses)
+        self.separator = options.get("separator", "+")
+        if not isinstance(self.separator, str) or len(self.separator) > 1:
+            raise ValueError("option 'separator' is one character (or '' for none)")
+        self.entity_header = options.get("entity_header", "")
+        pattern = options.get("entity_pattern", "")
+        if not isinstance(self.entity_header, str) or not isinstance(pattern, str):
+            raise ValueError("options 'entity_header' and 'entity_pattern' are strings")
+        if bool(self.entity_header) != bool(pattern):
+            raise ValueError("options 'entity_header' and 'entity_pattern' go together")
+        try:
+            self.entity_pattern = re.compile(pattern) if pattern else None
+        except re.error as exc:
+            raise ValueError(f"option 'entity_pattern': {exc}") from None
+        self.authserv_id = options.get("authserv_id", "")
+        if not isinstance(self.authserv_id, str):
+            raise ValueError("option 'authserv_id' is a string")
+        allow_ips = options.get("allow_ips") or []
+        if not isinstance(allow_ips, list | tuple):
+            raise ValueError("option 'allow_ips' is a list of CIDRs")
+        try:
+            self.allow_ips = tuple(ipaddress.ip_network(n, strict=False) for n in allow_ips)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"option 'allow_ips': {exc}") from None
+        self.allow_http = options.get("allow_http", False)
+        if not isinstance(self.allow_http, bool):
+            raise ValueError("option 'allow_http' is true or false")
+
+    def verify(
+        self, request: Request, *, secrets: Sequence[str], now: float, tolerance: int = 300
+    ) -> None:
+        if self.allow_ips and not _address_in(request.remote, self.allow_ips):
+            raise VerificationFailed("ip_not_allowed")
+        self._authenticate(request, secrets=secrets, now=now, tolerance=tolerance)
+
+    def _authenticate(
+        self, request: Request, *, secrets: Sequence[str], now: float, tolerance: int
+    ) -> None:
+        super().verify(request, secrets=secrets, now=now, tolerance=tolerance)
+
+    def parse(self, request: Request) -> Any:
+        """A stored message (its body is the raw message) as the ``email`` package reads it."""
+        from .mail import parse
+
+        return parse(request.body)
+
+    def extract(self, request: Request, parsed: Any) -> EventMeta:
+        raise UnparseableBody("mail sources are stored as inbound emails")
+
+    def mail(self, request: Request) -> MailPost:
+        """The message a verified post carries; UnparseableBody if there is none."""
+        raise NotImplementedError
+
+    def replay_key(self, request: Request) -> str:
+        """What makes a verified post unique when its signature does not cover the
+        message (Mailgun's token): the receive path refuses a second post with it. ""
+        when the scheme has none."""
+        return ""
+
+    def post(
+        self,
+        *,
+        raw: bytes,
+        recipients: Sequence[str],
+        mail_from: str,
+        secret: str,
+        timestamp: int | None = None,
+    ) -> tuple[bytes, dict[str, str]]:
+        """(body, lower-cased headers) of the post the provider would send for ``raw``."""
+        raise NotImplementedError
+
+    def sign(self, **kwargs: Any) -> dict[str, str]:
+        raise NotImplementedError("a mail provider's post is built by post()")
+
+
+def _address_in(remote: str, networks: Sequence[Any]) -> bool:
+    try:
+        address = ipaddress.ip_address(remote)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+        address = address.ipv4_mapped
+    return any(address in network for network in networks)
+
+
+def _form_fields(request: Request) -> dict[str, bytes]:
+    """A form post's fields (the first value of each) as bytes: url-encoded, or
+    multipart/form-data read with the ``email`` package (no temporary files: the body
+    is already in memory, within the source's limit)."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.split(";")[0].strip().lower() != _MULTIPART:
+        return {k: v.encode() for k, v in _parse_form(request.body).items()}
+    envelope = BytesParser(policy=email_policy.HTTP).parsebytes(
+        b"Content-Type: " + _text(content_type) + b"\r\n\r\n" + request.body
+    )
+    if not envelope.is_multipart() or envelope.defects:
+        raise UnparseableBody("invalid_form")
+    fields: dict[str, bytes] = {}
+    for part in envelope.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if isinstance(name, str) and name not in fields:
+            fields[name] = part.get_payload(decode=True) or b""
+    return fields
+
+
+def _multipart(fields: Sequence[tuple[str, bytes]]) -> tuple[bytes, str]:
+    boundary = uuid.uuid4().hex
+    chunks = []
+    for name, value in fields:
+        chunks.append(
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n'.encode()
+            + value
+            + b"\r\n"
+        )
+    return b"".join(chunks) + f"--{boundary}--\r\n".encode(), f"{_MULTIPART}; boundary={boundary}"
+
+
+class Smtp(EmailScheme):
+    """The SMTP listener's source (``manage.py run_smtp``). Nothing posted to its webhook
+    URL is authentic. Its secrets, if any, are ``user:password`` pairs the listener's
+    AUTH accepts (AUTH is then required); ``max_body_bytes`` is the message-size limit."""
+
+    name = "smtp"
+    default_max_body_bytes = 10 * 1024 * 1024
+
+    def verify(
+        self, request: Request, *, secrets: Sequence[str], now: float, tolerance: int = 300
+    ) -> None:
+        raise VerificationFailed("no_secret")
+
+    def signing_key(self, secret: str) -> bytes:
+        return _credentials(secret)
+
+
+def _credentials(secret: str) -> bytes:
+    if ":" not in secret:
+        raise ValueError("a credential is 'user:password'")
+    return secret.encode()
+
+
+class _BasicAuth(EmailScheme):
+    """Postmark's and SendGrid's inbound posts carry no signature: the URL holds a
+    user and password (``https://user:password@host/ingest/<slug>/``), which arrive as
+    ``Authorization: Basic``. Each secret is one ``user:password``; the comparison is
+    constant-time against every live one. Over plain HTTP the password would travel in
+    clear, so such posts are refused (``insecure_transport``) unless ``allow_http``."""
+
+    def signing_key(self, secret: str) -> bytes:
+        return _credentials(secret)
+
+    def _authenticate(
+        self, request: Request, *, secrets: Sequence[str], now: float, tolerance: int
+    ) -> None:
+        keys = self._keys(secrets)
+        if not request.secure and not self.allow_http:
+            raise VerificationFailed("insecure_transport")
+        kind, _, value = _signature_header(request, "authorization").partition(" ")
+        offered = _decode_base64(value.strip()) if kind.lower() == "basic" else None
+        if not offered:
+            raise VerificationFailed("malformed_signature")
+        if not _any_match([offered], keys):
+            raise VerificationFailed("bad_signature")
+
+    @staticmethod
+    def _authorization(secret: str) -> str:
+        return "Basic " + base64.b64encode(secret.encode()).decode()
+
+
+class Mailgun(EmailScheme):
+    """Mailgun's routes, ``forward()`` to a URL ending in ``mime`` (its raw-MIME post):
+    form fields ``timestamp``, ``token``, ``signature`` (hex HMAC-SHA256 of
+    ``{timestamp}{token}`` keyed with the webhook signing key), ``body-mime`` (the
+    message), ``recipient`` and ``sender`` (the envelope). The signature covers the
+    timestamp and token, not the message; the replay window (``replay_tolerance``)
+    applies both ways and the message is deduplicated on its Message-ID.
+    Mailgun posts the signature inside the form, so the form is read before the
+    signature is checked; the message is not parsed until it has been."""
+
+    name = "mailgun"
+
+    def _offered(self, request: Request) -> tuple[list[bytes], str | None, bytes]:
+        try:
+            fields = _form_fields(request)
+        except UnparseableBody:
+            raise VerificationFailed("malformed_signature") from None
+        signature = fields.get("signature", b"").decode("ascii", "replace").strip()
+        if not signature:
+            raise VerificationFailed("missing_signature")
+        timestamp = _timestamp(fields.get("timestamp", b"").decode("ascii", "replace"))
+        token = fields.get("token", b"")
+        mac = _decode_hex(signature)
+        if mac is None or len(mac) != 32 or not token:
+            raise VerificationFailed("malformed_signature")
+        return [mac], timestamp, timestamp.encode() + token
+
+    def replay_key(self, request: Request) -> str:
+        return _form_fields(request).get("token", b"").decode("ascii", "replace")
+
+    def mail(self, request: Request) -> MailPost:
+        fields = _form_fields(request)
+        raw = fields.get("body-mime")
+        if not raw:
+            raise UnparseableBody("no_raw_message")
+        recipients = fields.get("recipient", b"").decode("utf-8", "replace")
+        return MailPost(
+            raw=raw,
+            recipients=tuple(r.strip() for r in recipients.split(",") if r.strip()),
+            mail_from=fields.get("sender", b"").decode("utf-8", "replace").strip(),
+        )
+
+    def post(self, *, raw, recipients, mail_from, secret, timestamp=None):
+        ts = str(_now(timestamp))
+        token = uuid.uuid4().hex + uuid.uuid4().hex[:18]  # 50 characters, as Mailgun's
+        signature = self._mac(secret, (ts + token).encode()).hex()
+        body, content_type = _multipart(
+            [
+                ("timestamp", ts.encode()),
+                ("token", token.encode()),
+                ("signature", signature.encode()),
+                ("recipient", ", ".join(recipients).encode()),
+                ("sender", mail_from.encode()),
+                ("body-mime", raw),
+            ]
+        )
+        return body, {"content-type": content_type}
+
+
+class Postmark(_BasicAuth):
+    """Postmark's inbound webhook, with "Include raw email content" on: JSON whose
+    ``RawEmail`` is the message and ``OriginalRecipient`` the address it was sent to
+    (else the ``ToFull``, ``CcFull`` and ``BccFull`` addresses); the envelope sender is
+    not posted, so it is the ``From`` address. Basic auth; Postmark publishes the
+    addresses it posts from, for ``allow_ips``."""
+
+    name = "postmark"
+    content_types = (_JSON,)
+
+    def mail(self, request: Request) -> MailPost:
+        body = _parse_json(request.body)
+        if not isinstance(body, dict):
+            raise UnparseableBody("invalid_json")
+        raw = body.get("RawEmail")
+        if not isinstance(raw, str) or not raw:
+            raise UnparseableBody("no_raw_message")
+        recipients = []
+        if isinstance(body.get("OriginalRecipient"), str) and body["OriginalRecipient"]:
+            recipients.append(body["OriginalRecipient"])
+        else:
+            for key in ("ToFull", "CcFull", "BccFull"):
+                for entry in body.get(key) or ():
+                    if isinstance(entry, dict) and isinstance(entry.get("Email"), str):
+                        recipients.append(entry["Email"])
+        return MailPost(
+            raw=_text_bytes(raw),
+            recipients=tuple(r.strip() for r in recipients if r.strip()),
+            mail_from=_str(body.get("From")).strip(),
+        )
+
+    def post(self, *, raw, recipients, mail_from, secret, timestamp=None):
+        body = {
+            "From": mail_from,
+            "OriginalRecipient": recipients[0] if recipients else "",
+            "ToFull": [{"Email": r, "Name": ""} for r in recipients],
+            "MessageID": str(uuid.uuid4()),
+            "RawEmail": raw.decode("utf-8", "surrogateescape"),
+        }
+        return json.dumps(body).encode(), {
+            "content-type": _JSON,
+            "authorization": self._authorization(secret),
+        }
+
+
+class SendGrid(_BasicAuth):
+    """SendGrid's Inbound Parse, with "POST the raw, full MIME message" on:
+    multipart/form-data whose ``email`` field is the message and ``envelope`` a JSON
+    ``{"to": [...], "from": ...}``; its ``SPF`` and ``dkim`` fields are SendGrid's
+    verdicts, recorded beside any ``Authentication-Results``. Basic auth."""
+
+    name = "sendgrid"
+    content_types = (_MULTIPART,)
+
+    def mail(self, request: Request) -> MailPost:
+        fields = _form_fields(request)
+        raw = fields.get("email")
+        if not raw:
+            raise UnparseableBody("no_raw_message")
+        envelope = _parse_json(fields.get("envelope") or b"{}")
+        envelope = envelope if isinstance(envelope, dict) else {}
+        to = envelope.get("to") or []
+        to = [to] if isinstance(to, str) else to
+        verdicts = {}
+        spf = fields.get("SPF", b"").decode("utf-8", "replace").strip().lower()
+        if spf:
+            verdicts["spf"] = spf[:40]
+        dkim = re.search(r":\s*([a-z]+)", fields.get("dkim", b"").decode("utf-8", "replace"))
+        if dkim:
+            verdicts["dkim"] = dkim.group(1)
+        if verdicts:
+            verdicts["by"] = "sendgrid"
+        return MailPost(
+            raw=raw,
+            recipients=tuple(r.strip() for r in to if isinstance(r, str) and r.strip()),
+            mail_from=_str(envelope.get("from")).strip(),
+            verdicts=verdicts,
+        )
+
+    def post(self, *, raw, recipients, mail_from, secret, timestamp=None):
+        body, content_type = _multipart(
+            [
+                ("envelope", json.dumps({"to": list(recipients), "from": mail_from}).encode()),
+                ("SPF", b"pass"),
+                ("dkim", b"{@example.org : pass}"),
+                ("email", raw),
+            ]
+        )
+        return body, {"content-type": content_type, "authorization": self._authorization(secret)}
+
+
+def _text_bytes(value: str) -> bytes:
+    return value.encode("utf-8", "surrogateescape")
+
+
 SCHEMES: dict[str, type[Scheme]] = {
-    cls.name: cls for cls in (StandardWebhooks, Stripe, GitHub, Shopify, Slack, GenericHmac, Polled)
+    cls.name: cls
+    for cls in (
+        StandardWebhooks,
+        Stripe,
+        GitHub,
+        Shopify,
+        Slack,
+        GenericHmac,
+        Polled,
+        Smtp,
+        Mailgun,
+        Postmark,
+        SendGrid,
+    )
 }
-# The schemes a webhook source can be created with (``create_source``).
+# The schemes a source can be created with (``create_source``): webhooks and mail.
 WEBHOOK_SCHEMES = tuple(name for name in SCHEMES if name != Polled.name)
+EMAIL_SCHEMES = tuple(name for name, cls in SCHEMES.items() if cls.is_email)
 
 
 def get_scheme(name: str, options: Mapping[str, Any] | None = None) -> Scheme:

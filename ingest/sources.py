@@ -2,6 +2,7 @@
 secrets. The receive view reads them through a per-process cache (``source_for``);
 refusals are counted per source and reason (``count_refusal``)."""
 
+import hashlib
 import logging
 import time
 from collections.abc import Sequence
@@ -60,7 +61,13 @@ def forget_sources(**_signal_kwargs) -> None:
 def source_create(
     *, slug: str, scheme: str, secrets: Sequence[str], options: dict | None = None, **fields
 ) -> Source:
-    get_scheme(scheme, options or None)  # refuses an unknown scheme or bad options
+    verifier = get_scheme(scheme, options or None)  # refuses an unknown scheme or bad options
+    fields.setdefault("max_body_bytes", verifier.default_max_body_bytes)
+    if scheme == "smtp" and not verifier.addresses:
+        raise ValueError("an smtp source needs 'addresses': the listener refuses all others")
+    if verifier.is_email:
+        for secret in secrets:
+            verifier.signing_key(secret)  # "user:password" where a credential is one
     with transaction.atomic():
         source = Source.objects.create(slug=slug, scheme=scheme, options=options or {}, **fields)
         for secret in secrets:
@@ -78,12 +85,49 @@ def source_throttle(source: Source) -> int:
     return 1 if hits > source.rate_limit else 0
 
 
+def email_throttle(source: Source, *, sender: str = "", recipient: str = "") -> str | None:
+    """The refusal reason if one more message from ``sender`` (an envelope sender) or
+    for ``recipient`` (its address without the plus tag, so that tags cannot spread a
+    flood) is past its per-minute limit (``INBOUND_EMAIL_RATE_PER_SENDER``,
+    ``..._PER_RECIPIENT``; 0: none), else None. Counted in the shared cache like
+    ``source_throttle``: the limit holds across every listener and web process."""
+    from .mail import split_plus
+
+    for kind, address, limit in (
+        ("sender", sender, settings.INBOUND_EMAIL_RATE_PER_SENDER),
+        (
+            "recipient",
+            split_plus(recipient)[0] if recipient else "",
+            settings.INBOUND_EMAIL_RATE_PER_RECIPIENT,
+        ),
+    ):
+        if not address or not limit:
+            continue
+        digest = hashlib.sha256(address.lower().encode()).hexdigest()[:32]
+        hits, _ = ratelimit.hit(f"email-{kind}:{source.id}:{digest}", window=60.0)
+        if hits > limit:
+            return f"{kind}_rate_limited"
+    return None
+
+
 def count_refusal(source: Source, reason: str, request=None, remote: str = "") -> None:
     """Count a refused request per source and reason; never creates work."""
+    record_refusal(source, reason, remote=remote or _remote(request))
+    INBOUND_REFUSED.labels(source.slug, reason).inc()
+    logger.info(
+        "inbound refused",
+        extra={"action": "ingest.refused", "source": source.slug, "reason": reason},
+    )
+
+
+def record_refusal(source: Source, reason: str, *, remote: str = "", n: int = 1) -> None:
+    """Add ``n`` to the source's refusal row for ``reason`` (``VerificationFailure``):
+    the count every process shares, which survives restarts. The SMTP listener counts
+    its refusals as it answers and writes them here in batches."""
     now = timezone.now()
-    sample = {"at": now.isoformat(), "remote": remote or _remote(request)}
+    sample = {"at": now.isoformat(), "remote": remote}
     updated = VerificationFailure.objects.filter(source=source, reason=reason).update(
-        count=F("count") + 1, last_at=now, sample=sample
+        count=F("count") + n, last_at=now, sample=sample
     )
     if not updated:
         try:
@@ -91,20 +135,15 @@ def count_refusal(source: Source, reason: str, request=None, remote: str = "") -
                 VerificationFailure.objects.create(
                     source=source,
                     reason=reason,
-                    count=1,
+                    count=n,
                     first_at=now,
                     last_at=now,
                     sample=sample,
                 )
         except IntegrityError:  # a concurrent first failure created it
             VerificationFailure.objects.filter(source=source, reason=reason).update(
-                count=F("count") + 1, last_at=now, sample=sample
+                count=F("count") + n, last_at=now, sample=sample
             )
-    INBOUND_REFUSED.labels(source.slug, reason).inc()
-    logger.info(
-        "inbound refused",
-        extra={"action": "ingest.refused", "source": source.slug, "reason": reason},
-    )
 
 
 def _remote(request) -> str:

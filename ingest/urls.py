@@ -6,4 +6,6 @@ from . import views
 
 urlpatterns = [
     path("ingest/<slug:slug>/", views.receive, name="ingest-receive"),
+    # Mailgun posts the raw message only to a URL that ends in "mime": the same view.
+    path("ingest/<slug:slug>/mime", views.receive, name="ingest-receive-mime"),
 ]

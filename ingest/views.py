@@ -11,6 +11,12 @@ chunked body (400), signature over the raw bytes (401, generic body), then parse
 stored as rejected since it was authentic: also when its id, type or entity holds text
 the database refuses), then one short transaction that inserts the event or counts a
 duplicate (200 either way).
+
+A mail source's post (Mailgun, Postmark, SendGrid) takes the same checks up to the
+signature, then ``receiving.email_post_receive``: the message it carries is checked and
+stored per recipient (200 with ``accepted``, ``duplicate`` or ``rejected``), a post
+without one is a 400, a sender's or recipient's flood a 429. Mailgun posts raw messages
+only to a URL ending in ``mime``, so ``/ingest/<slug>/mime`` is this view too.
 """
 
 import logging
@@ -117,7 +123,14 @@ def receive(request, slug: str):
     if body is None:
         sources.count_refusal(source, "too_large", request)
         return _error(413, "too_large", "The body is too large.")
-    inbound = Request(headers={k.lower(): v for k, v in request.headers.items()}, body=body)
+    inbound = Request(
+        headers={k.lower(): v for k, v in request.headers.items()},
+        body=body,
+        remote=_remote(request),
+        secure=request.is_secure(),
+    )
+    if source.verifier.is_email:
+        return _mail_answer(receiving.email_post_receive(source=source, request=inbound))
     outcome = receiving.inbound_receive(source=source, request=inbound, remote=_remote(request))
     if outcome.status == 401:
         # Generic on purpose: the reason is counted, not told to the caller.
@@ -127,6 +140,22 @@ def receive(request, slug: str):
     return JsonResponse(
         {"status": "duplicate" if outcome.duplicate else "accepted", "id": str(outcome.event_id)}
     )
+
+
+def _mail_answer(outcome: receiving.MailPostReceived) -> JsonResponse:
+    if outcome.status == 401:
+        return _error(401, "unauthorized", "Signature verification failed.")
+    if outcome.status == 400:
+        return _error(400, "unparseable", "The post holds no raw message.")
+    if outcome.status == 429:
+        return _error(429, "throttled", "Too many messages.", {"Retry-After": "60"})
+    received = outcome.mail
+    body = {"status": received.outcome, "ids": [str(i) for i in received.event_ids]}
+    if received.reason:
+        body["reason"] = received.reason
+    # 200 for a rejected message too: it is stored, and the provider retrying it cannot
+    # change what it holds.
+    return JsonResponse(body)
 
 
 def _unstorable_header(request) -> bool:

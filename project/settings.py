@@ -14,6 +14,7 @@ from pathlib import Path
 import environ
 
 from deliveries import conf as deliveries_conf
+from deliveries.apps import TRUSTY_APPS
 from ingest import conf as ingest_conf
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -34,18 +35,19 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
-    "rest_framework",
-    "django_filters",
+    *TRUSTY_APPS,
+    # `manage.py spectacular`, which `make test` runs to validate the API's schema. This
+    # service has no DRF view of its own for drf-spectacular's deploy check to refuse.
     "drf_spectacular",
-    "drf_spectacular_sidecar",
-    "django_q",
-    "deliveries",
-    "deliveries.jobs",
-    "ingest",
     # The standalone service's own admin module (project/admin.py): its users' and
     # groups' admins, audited. Last, so that it replaces Django's.
     "project",
 ]
+# Django's Tasks API: `@task` functions run as background jobs (docs/jobs.md). Django 6.0
+# has it built in; before it, the django-tasks backport is an app of its own.
+if importlib.util.find_spec("django.tasks") is None:
+    INSTALLED_APPS.append("django_tasks")
+TASKS = {"default": {"BACKEND": "deliveries.jobs.tasks.JobsBackend"}}
 # Development only (requirements/dev.txt): `manage.py lintmigrations`, run by `make test`,
 # refuses backward-incompatible migrations (docs/compatibility.md).
 if importlib.util.find_spec("django_migration_linter") is not None:
@@ -190,6 +192,8 @@ def _from_env(name: str, default):
         return env.int(name, default=default)
     if isinstance(default, float):
         return env.float(name, default=default)
+    if isinstance(default, dict):  # NAME=value,NAME=value
+        return env.dict(name, default=dict(default))
     if isinstance(default, tuple):
         cast = type(default[0]) if default else str
         return env.list(name, cast=cast, default=list(default))
@@ -229,11 +233,14 @@ LOG_LEVEL = env.str("LOG_LEVEL", default="INFO")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"json": {"()": "project.logging.JsonFormatter"}},
+    "formatters": {"json": {"()": "deliveries.logs.JsonFormatter"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "json"}},
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
     "loggers": {
         "django.db.backends": {"level": "WARNING"},
         "aiohttp.access": {"level": "WARNING"},
+        # aiosmtpd logs every command line it reads at INFO, the peer's text verbatim:
+        # the listener logs what happened to each message itself (ingest.smtp, ingest).
+        "mail.log": {"level": "WARNING"},
     },
 }

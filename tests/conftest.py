@@ -1,5 +1,6 @@
 import asyncio
 import contextlib
+import os
 import threading
 import time
 from pathlib import Path
@@ -46,7 +47,11 @@ def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix):
     test = db.setdefault("TEST", {})
     if db["ENGINE"] == SQLITE and not test.get("NAME"):
         path = Path(db["NAME"])
-        test["NAME"] = str(path.with_name(f"test_{path.name}"))
+        # Under pytest-xdist each worker has a file of its own (pytest-django suffixes
+        # only the databases it names itself).
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        stem = f"test_{path.stem}_{worker}" if worker else f"test_{path.stem}"
+        test["NAME"] = str(path.with_name(stem + path.suffix))
 
 
 @pytest.fixture(autouse=True)
@@ -62,6 +67,14 @@ def _fresh_source_cache():
     from ingest.sources import forget_sources
 
     forget_sources()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_schema_cache():
+    # The same for the event catalogue's schemas (deliveries.catalogue).
+    from deliveries.catalogue import forget_schemas
+
+    forget_schemas()
 
 
 @pytest.fixture
@@ -124,8 +137,6 @@ def make_due(**filters) -> int:
 
 def subprocess_env(**extra: str) -> dict[str, str]:
     """Environment for a child process that uses the test database."""
-    import os
-
     from django.db import connection
 
     s = connection.settings_dict
@@ -211,8 +222,6 @@ class Command:
 
     def kill(self) -> None:
         """SIGKILL to its whole process group (children it left behind included)."""
-        import contextlib
-        import os
         import signal
 
         with contextlib.suppress(ProcessLookupError):

@@ -6,6 +6,8 @@ carry their defaults. The database is a SQLite file named by ``HOST_SQLITE_PATH`
 
 import os
 
+from deliveries.apps import TRUSTY_APPS
+
 SECRET_KEY = "host-test-key-" + "x" * 40
 DATABASES = {
     "default": {"ENGINE": "django.db.backends.sqlite3", "NAME": os.environ["HOST_SQLITE_PATH"]}
@@ -17,13 +19,7 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
-    "rest_framework",
-    "django_filters",
-    "django_q",
-    "drf_spectacular",
-    "deliveries",
-    "deliveries.jobs",
-    "ingest",
+    *TRUSTY_APPS,
 ]
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",

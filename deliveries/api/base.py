@@ -3,6 +3,11 @@
 neither changes this API nor is changed by it. DRF fills a view's unset attributes from
 the project-wide settings at import, so each is named here."""
 
+import functools
+from pathlib import Path
+
+import drf_spectacular
+from django.template.backends.django import DjangoTemplates
 from django_filters.rest_framework import DjangoFilterBackend
 from drf_spectacular.openapi import AutoSchema
 from drf_spectacular.settings import patched_settings, spectacular_settings
@@ -58,6 +63,17 @@ class ApiRoot(Public, routers.APIRootView):
 class ApiRouter(routers.DefaultRouter):
     APIRootView = ApiRoot
 
+    def get_api_root_view(self, api_urls=None):
+        # The root links the collections, the routes a GET lists: not an action-only
+        # route such as portal-link (POST only).
+        list_name = self.routes[0].name
+        collections = {
+            prefix: list_name.format(basename=basename)
+            for prefix, viewset, basename in self.registry
+            if hasattr(viewset, "list")
+        }
+        return self.APIRootView.as_view(api_root_dict=collections)
+
 
 def product_endpoints_only(endpoints):
     """drf-spectacular preprocessing hook: the schema shows this API's routes, not the
@@ -83,6 +99,11 @@ def extend_schema(**kwargs):
 # The schema of this API alone, under this API's own title.
 SCHEMA_SETTINGS = {
     "PREPROCESSING_HOOKS": ["deliveries.api.base.product_endpoints_only"],
+    # Every operation's error answers, in the one error shape (deliveries.api.errors).
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "deliveries.api.errors.document_errors",
+    ],
     # Operation ids and tags from the path after api/ (v1_deliveries_list), wherever the
     # host mounted the API.
     "SCHEMA_PATH_PREFIX": r"/(?:.*/)?api/",
@@ -111,8 +132,30 @@ class SchemaView(Public, SpectacularAPIView):
         return super().get(request, *args, **kwargs)
 
 
+@functools.cache
+def _spectacular_templates() -> DjangoTemplates:
+    return DjangoTemplates(
+        {
+            "NAME": "drf_spectacular",
+            "DIRS": [Path(drf_spectacular.__file__).parent / "templates"],
+            "APP_DIRS": False,
+            "OPTIONS": {},
+        }
+    )
+
+
+class SpectacularPageRenderer(renderers.TemplateHTMLRenderer):
+    """drf-spectacular's page templates, read from its package: the docs page works
+    whether or not the host lists drf_spectacular in INSTALLED_APPS (deliveries.apps,
+    TRUSTY_APPS, says why the apps do not need it)."""
+
+    def resolve_template(self, template_names):
+        (name,) = template_names  # the view's one template_name
+        return _spectacular_templates().get_template(name)
+
+
 class SchemaDocsView(Public, SpectacularSwaggerView):
-    renderer_classes = SpectacularSwaggerView.renderer_classes
+    renderer_classes = [SpectacularPageRenderer]
     title = SCHEMA_SETTINGS["TITLE"]
 
     @extend_schema(exclude=True)

@@ -14,6 +14,8 @@ from datetime import datetime, timedelta
 
 from rest_framework import exceptions, pagination
 
+from ..text import text_problem
+
 
 class InvalidCursor(exceptions.APIException):
     status_code = 400
@@ -73,6 +75,21 @@ class NewestDeliveriesFirst(NewestFirst):
     # The listing's creation time (DeliveryViewSet.get_queryset): its indexes give a
     # tenant's or an endpoint's deliveries in this order (models.DeliveryListing).
     ordering = ("-listed_at", "-id")
+
+
+def name_position(value: str) -> str:
+    """An event type's name as the catalogue stores it."""
+    if not value or len(value) > 200 or text_problem(value):
+        raise ValueError("a cursor's name is an event type's name")
+    return value
+
+
+class ByName(CheckedCursorPagination):
+    ordering = ("name",)
+    page_size = 50
+    page_size_query_param = "limit"
+    max_page_size = 250
+    position = staticmethod(name_position)
 
 
 class AttemptPages(CheckedCursorPagination):

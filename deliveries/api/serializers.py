@@ -1,25 +1,59 @@
 """Input and output shapes of the customer API. No secret appears in any output except
 the endpoint secret in the answers to create and rotate-secret, once."""
 
+from django.utils.dateparse import parse_datetime
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from deliveries.conf import settings
 
+from ..catalogue import validate_event_type_filter
 from ..egress import validate_endpoint_url
 from ..headers import MAX_VALUE_LENGTH, validate_endpoint_headers
 from ..jobs.models import Job
 from ..jobs.selectors import job_progress
-from ..models import Attempt, Delivery, Endpoint, Event
+from ..models import Attempt, Delivery, Endpoint, Event, EventType, EventTypeVersion
 from ..selectors import delivery_explain, egress_policy_for
 from .parsers import StrictJSONField
+
+NAIVE_TIME = (
+    "Give the time with its UTC offset, as in 2026-01-01T09:00:00Z or "
+    "2026-01-01T10:00:00+01:00: a time without one is ambiguous."
+)
+
+
+def is_naive_time(value) -> bool:
+    """Whether ``value`` is ISO 8601 text of a time without a UTC offset (text that is no
+    time at all is the field's own parser's to refuse)."""
+    try:
+        parsed = parse_datetime(value.strip()) if isinstance(value, str) else None
+    except ValueError:  # well formed, out of range: "2026-02-30T25:61:61"
+        return False
+    return parsed is not None and parsed.tzinfo is None
+
+
+class AwareDateTimeField(serializers.DateTimeField):
+    """ISO 8601 with a UTC offset; a time without one is refused, never taken as UTC
+    silently (DRF's own field would read it in the server's time zone)."""
+
+    default_error_messages = {"naive": NAIVE_TIME}
+
+    def to_internal_value(self, value):
+        if is_naive_time(value):
+            self.fail("naive")
+        return super().to_internal_value(value)
 
 
 class EndpointInput(serializers.Serializer):
     url = serializers.URLField(max_length=2000)
     description = serializers.CharField(max_length=500, required=False, allow_blank=True)
     event_types = serializers.ListField(
-        child=serializers.CharField(max_length=200), required=False, max_length=100
+        child=serializers.CharField(max_length=200),
+        required=False,
+        max_length=100,
+        validators=[validate_event_type_filter],
+        help_text="Event types to receive: names, or a dotted prefix with a wildcard "
+        "(invoice.*); empty: every type.",
     )
     enabled = serializers.BooleanField(required=False)
     rate_limit = serializers.FloatField(required=False, allow_null=True, min_value=0.01)
@@ -107,12 +141,36 @@ class SecretOutput(serializers.Serializer):
     previous_secrets_expire_at = serializers.DateTimeField()
 
 
+PAYLOAD_EXAMPLE = {"invoice_id": "in_1029", "amount": 4200, "currency": "EUR"}
+
+
+PAYLOAD_SCHEMA = {
+    "type": "object",
+    "additionalProperties": True,
+    "description": "A JSON object: the body receivers get.",
+    "example": PAYLOAD_EXAMPLE,
+}
+
+
+@extend_schema_field(PAYLOAD_SCHEMA)
+class PayloadField(StrictJSONField):
+    pass
+
+
 class EventInput(serializers.Serializer):
     event_type = serializers.CharField(max_length=200)
-    payload = StrictJSONField(help_text="A JSON object: the body receivers get.")
+    payload = PayloadField(help_text="A JSON object: the body receivers get.")
+    payload_version = serializers.IntegerField(
+        required=False,
+        min_value=1,
+        max_value=32767,
+        help_text="The version of the type's payload schema this payload follows (1).",
+    )
     entity_id = serializers.CharField(max_length=200, required=False, allow_blank=True)
     priority = serializers.IntegerField(required=False, min_value=-100, max_value=100)
-    deliver_at = serializers.DateTimeField(required=False)
+    deliver_at = AwareDateTimeField(
+        required=False, help_text="Hold the deliveries until then; with a UTC offset."
+    )
 
     def validate_payload(self, payload):
         if not isinstance(payload, dict):
@@ -125,8 +183,17 @@ class EventOutput(serializers.ModelSerializer):
 
     class Meta:
         model = Event
-        fields = ["id", "event_type", "payload", "entity_id", "priority", "created_at"]
+        fields = [
+            "id",
+            "event_type",
+            "payload_version",
+            "payload",
+            "entity_id",
+            "priority",
+            "created_at",
+        ]
 
+    @extend_schema_field(PAYLOAD_SCHEMA)
     def get_payload(self, event) -> dict:
         import json
 
@@ -178,8 +245,43 @@ class AttemptOutput(serializers.ModelSerializer):
 
 
 class RecoverInput(serializers.Serializer):
-    since = serializers.DateTimeField()
+    since = AwareDateTimeField()
     endpoint_id = serializers.UUIDField(required=False)
+
+
+class EventTypeVersionOutput(serializers.ModelSerializer):
+    schema = serializers.JSONField(help_text="JSON Schema (Draft 2020-12) of the payload.")
+    example = serializers.JSONField(help_text="An example payload.")
+
+    class Meta:
+        model = EventTypeVersion
+        fields = ["version", "schema", "example", "created_at"]
+
+
+class EventTypeOutput(serializers.ModelSerializer):
+    group = serializers.CharField(
+        help_text="The dotted prefix the type is grouped under; subscribe to the group "
+        "with <group>.*."
+    )
+    versions = EventTypeVersionOutput(many=True)
+
+    class Meta:
+        model = EventType
+        fields = ["name", "group", "description", "owner", "validation", "versions"]
+
+
+class PortalLinkInput(serializers.Serializer):
+    ttl = serializers.IntegerField(
+        required=False,
+        min_value=1,
+        help_text="Seconds the link stays valid (PORTAL_LINK_TTL by default, at most "
+        "PORTAL_LINK_MAX_TTL).",
+    )
+
+
+class PortalLinkOutput(serializers.Serializer):
+    url = serializers.CharField(help_text="Open it once, before expires_at.")
+    expires_at = serializers.DateTimeField()
 
 
 class CountOutput(serializers.Serializer):

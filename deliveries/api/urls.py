@@ -6,13 +6,22 @@ from django.urls import path
 from rest_framework.routers import SimpleRouter
 
 from .base import SchemaDocsView, SchemaView
-from .views import DeliveryViewSet, EndpointViewSet, EventViewSet, JobViewSet
+from .views import (
+    DeliveryViewSet,
+    EndpointViewSet,
+    EventTypeViewSet,
+    EventViewSet,
+    JobViewSet,
+    PortalLinkViewSet,
+)
 
 router = SimpleRouter(trailing_slash="/?")
 router.register("endpoints", EndpointViewSet, basename="endpoint")
 router.register("events", EventViewSet, basename="event")
 router.register("deliveries", DeliveryViewSet, basename="delivery")
 router.register("jobs", JobViewSet, basename="job")
+router.register("event-types", EventTypeViewSet, basename="event-type")
+router.register("portal-link", PortalLinkViewSet, basename="portal-link")
 
 urlpatterns = [
     path("schema/", SchemaView.as_view(), name="schema"),

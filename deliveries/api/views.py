@@ -7,19 +7,32 @@ import django_filters
 from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models import F
-from drf_spectacular.utils import OpenApiParameter
+from drf_spectacular.utils import OpenApiExample, OpenApiParameter
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
 
 from .. import services
 from ..jobs.models import Job
-from ..models import Attempt, Delivery, DeliveryState, Endpoint, EndpointSecret, Event
+from ..models import (
+    Attempt,
+    Delivery,
+    DeliveryState,
+    Endpoint,
+    EndpointSecret,
+    Event,
+    EventType,
+)
 from ..text import text_problem
 from . import serializers as s
 from .auth import ApiKeyAuthentication, ApiKeyThrottle, IsTenant
 from .base import ProductAPIView, extend_schema
-from .pagination import AttemptPages, NewestDeliveriesFirst, NewestFirst
+from .pagination import AttemptPages, ByName, NewestDeliveriesFirst, NewestFirst
+
+
+class UnknownQueryParameter(services.DomainError):
+    code = "unknown_parameter"
+    status = 400
 
 
 class TenantScoped(ProductAPIView):
@@ -42,6 +55,48 @@ class TenantScoped(ProductAPIView):
             return None
         return self.request.user.tenant
 
+    def initial(self, request, *args, **kwargs):
+        # After authentication and the throttle: an anonymous caller learns nothing.
+        super().initial(request, *args, **kwargs)
+        self.refuse_unknown_query_parameters(request)
+
+    def query_parameters(self) -> set[str]:
+        """The query parameters this action reads: its filters, its paginator's and
+        DRF's ``format`` (the browsable API's)."""
+        known = {"format"}
+        filterset = getattr(self, "filterset_class", None)
+        if self.action == "list" and filterset is not None:
+            known |= set(filterset.base_filters)
+        if self.action == "list" or self.action in self.paginated_actions:
+            paginator = self.paginator
+            if paginator is not None:
+                known |= {paginator.cursor_query_param, paginator.page_size_query_param}
+        return known - {None}
+
+    # Detail actions whose answer is a page (their own pagination_class).
+    paginated_actions = ()
+
+    def refuse_unknown_query_parameters(self, request) -> None:
+        """A query parameter the route does not read is a 400 naming it, never
+        silently ignored (``page_size`` where the route reads ``limit``, a misspelt
+        filter: a client would take the unfiltered answer for the filtered one)."""
+        known = self.query_parameters()
+        unknown = sorted(set(request.query_params) - known)
+        if unknown:
+            raise UnknownQueryParameter(
+                f"Unknown query parameter: {', '.join(unknown)[:200]}. This route reads: "
+                f"{', '.join(sorted(known)) or 'none'}.",
+                details={"unknown": unknown[:20], "known": sorted(known)},
+            )
+
+    def created(self, request, data, object_id, headers=None):
+        """A 201 with the new object's URL in ``Location``: the collection's own URL,
+        wherever the host mounted the API, and the id."""
+        location = request.build_absolute_uri(f"{request.path.rstrip('/')}/{object_id}/")
+        return Response(
+            data, status=status.HTTP_201_CREATED, headers={"Location": location, **(headers or {})}
+        )
+
 
 class EndpointViewSet(TenantScoped, viewsets.ModelViewSet):
     serializer_class = s.EndpointOutput
@@ -50,13 +105,28 @@ class EndpointViewSet(TenantScoped, viewsets.ModelViewSet):
     def get_queryset(self):
         return Endpoint.objects.filter(tenant=self.tenant)
 
-    @extend_schema(request=s.EndpointInput, responses={201: s.EndpointWithSecret})
+    @extend_schema(
+        request=s.EndpointInput,
+        responses={201: s.EndpointWithSecret},
+        examples=[
+            OpenApiExample(
+                "An endpoint for invoice events",
+                request_only=True,
+                value={
+                    "url": "https://hooks.example.com/billing",
+                    "description": "Billing service",
+                    "event_types": ["invoice.*", "customer.deleted"],
+                    "rate_limit": 20,
+                },
+            )
+        ],
+    )
     def create(self, request):
         data = s.EndpointInput(data=request.data, context={"tenant": self.tenant})
         data.is_valid(raise_exception=True)
         endpoint, secret = services.endpoint_create(tenant=self.tenant, **data.validated_data)
         endpoint.secret = secret
-        return Response(s.EndpointWithSecret(endpoint).data, status=status.HTTP_201_CREATED)
+        return self.created(request, s.EndpointWithSecret(endpoint).data, endpoint.id)
 
     @extend_schema(request=s.EndpointInput, responses=s.EndpointOutput)
     def partial_update(self, request, pk=None):
@@ -111,13 +181,7 @@ class EndpointViewSet(TenantScoped, viewsets.ModelViewSet):
     @action(detail=True, methods=["post"])
     def test(self, request, pk=None):
         """Send a ``webhook.test`` event to this endpoint only."""
-        endpoint = self.get_object()
-        event = services.publish_event(
-            tenant=self.tenant,
-            event_type="webhook.test",
-            payload={"message": "test event", "endpoint_id": str(endpoint.id)},
-            endpoint_ids=[endpoint.id],
-        )
+        event = services.endpoint_send_test(endpoint=self.get_object())
         return Response(s.EventOutput(event).data, status=status.HTTP_202_ACCEPTED)
 
 
@@ -126,6 +190,8 @@ class UtcDateTimeField(django_filters.fields.IsoDateTimeField):
     offsets past ±15:59, and an instant near the ends of the calendar cannot be moved."""
 
     def to_python(self, value):
+        if s.is_naive_time(value):  # never read in the server's zone
+            raise ValidationError(s.NAIVE_TIME)
         parsed = super().to_python(value)
         try:
             return parsed.astimezone(UTC) if parsed is not None and parsed.tzinfo else parsed
@@ -161,6 +227,17 @@ class EventViewSet(
         request=s.EventInput,
         responses={201: s.EventOutput},
         parameters=[OpenApiParameter("Idempotency-Key", str, OpenApiParameter.HEADER)],
+        examples=[
+            OpenApiExample(
+                "An invoice paid",
+                request_only=True,
+                value={
+                    "event_type": "invoice.paid",
+                    "payload": s.PAYLOAD_EXAMPLE,
+                    "entity_id": "invoice:in_1029",
+                },
+            )
+        ],
     )
     def create(self, request):
         data = s.EventInput(data=request.data)
@@ -168,7 +245,7 @@ class EventViewSet(
         key = request.headers.get("Idempotency-Key")
         if key is None:
             event = services.publish_event(tenant=self.tenant, **data.validated_data)
-            return Response(s.EventOutput(event).data, status=status.HTTP_201_CREATED)
+            return self.created(request, s.EventOutput(event).data, event.id)
         if not key.strip() or len(key) > 255 or text_problem(key):
             raise services.DomainError(
                 "Idempotency-Key must be 1 to 255 characters, without NUL",
@@ -181,7 +258,7 @@ class EventViewSet(
             **data.validated_data,
         )
         headers = {"Idempotent-Replayed": "true"} if replayed else {}
-        return Response(s.EventOutput(event).data, status=status.HTTP_201_CREATED, headers=headers)
+        return self.created(request, s.EventOutput(event).data, event.id, headers=headers)
 
 
 class DeliveryFilter(django_filters.FilterSet):
@@ -203,6 +280,7 @@ class DeliveryViewSet(
     serializer_class = s.DeliveryOutput
     filterset_class = DeliveryFilter
     pagination_class = NewestDeliveriesFirst
+    paginated_actions = ("attempts",)
 
     def get_queryset(self):
         # Through the listing: its (tenant, created_at) index is the one a tenant's
@@ -249,6 +327,50 @@ class DeliveryViewSet(
                 tenant=self.tenant, since=data.validated_data["since"], endpoint_id=endpoint_id
             )
         return Response({"count": count}, status=status.HTTP_202_ACCEPTED)
+
+
+class EventTypeFilter(django_filters.FilterSet):
+    group = django_filters.CharFilter(
+        method="in_group", help_text="Types under this dotted prefix (invoice: invoice.*)."
+    )
+    name = django_filters.CharFilter()
+
+    class Meta:
+        model = EventType
+        fields = ["name"]
+
+    def in_group(self, queryset, name, value):
+        return queryset.filter(name__startswith=f"{value}.")
+
+
+class EventTypeViewSet(TenantScoped, mixins.ListModelMixin, viewsets.GenericViewSet):
+    # The event catalogue: every tenant reads the same one (the team's), by name.
+    serializer_class = s.EventTypeOutput
+    filterset_class = EventTypeFilter
+    pagination_class = ByName
+
+    def get_queryset(self):
+        return EventType.objects.prefetch_related("versions")
+
+
+class PortalLinkViewSet(TenantScoped, viewsets.ViewSet):
+    # A link into the caller's tenant's portal (deliveries.portal): POST only.
+
+    @extend_schema(request=s.PortalLinkInput, responses={200: s.PortalLinkOutput})
+    def create(self, request):
+        """A short-lived, single-use link that opens this tenant's portal. Hand it to
+        the customer's browser at once; it is not a resource to fetch later."""
+        from ..portal.links import enter_path, portal_link_create
+
+        data = s.PortalLinkInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        link, token = portal_link_create(
+            tenant=self.tenant,
+            ttl=data.validated_data.get("ttl"),
+            via=f"api key {request.user.api_key_id}",
+        )
+        url = request.build_absolute_uri(enter_path(token))
+        return Response({"url": url, "expires_at": link.expires_at})
 
 
 class JobViewSet(TenantScoped, mixins.RetrieveModelMixin, viewsets.GenericViewSet):

@@ -20,13 +20,16 @@ deadline (``jobs_schedule``). Guide: docs/jobs.md.
 import asyncio
 import contextvars
 import inspect
+import json
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from importlib import import_module
 from typing import TYPE_CHECKING
 
+from django.core.serializers.json import DjangoJSONEncoder
 from django.utils import timezone
 
 from deliveries.conf import settings
@@ -63,6 +66,11 @@ class UnknownJobType(LookupError):
     """``enqueue`` of a type no ``@job`` in this process registered."""
 
 
+class LeaseExpired(Exception):
+    """The class recorded for a ``lost`` run: no exception was seen, the run's lease ran
+    out before its worker recorded it (the worker died or hung)."""
+
+
 @dataclass
 class JobType:
     """What ``@job`` registered for one type name."""
@@ -83,6 +91,10 @@ class JobType:
     # second confirmation (the admin's replay, as EventType.replay_safe for deliveries).
     owner: str = ""
     replay_safe: bool = True
+    # How a return value is kept: a function of it giving JSON text to store on the job
+    # ("" for nothing; raising ``Fail`` ends the job dead), or None: thrown away (@job's
+    # functions; a Django task's type keeps it, deliveries.jobs.tasks).
+    keep_result: Callable[[object], str] | None = None
 
     def __post_init__(self) -> None:
         self.is_async = inspect.iscoroutinefunction(self.fn)
@@ -217,6 +229,36 @@ def job_type(name: str) -> JobType:
         raise UnknownJobType(f"no job type {name!r} is registered in this process") from None
 
 
+def as_json(payload: dict) -> dict:
+    """``payload`` as it reads back from its JSON (Django's encoder; no ``NaN``)."""
+    return json.loads(json.dumps(payload, cls=DjangoJSONEncoder, allow_nan=False))
+
+
+def find_job_type(name: str) -> JobType:
+    """The registration of ``name``, for a worker: a type this process has not
+    registered yet is looked for in the module its name is the path of (all but the last
+    part), imported here. That is how a Django task's type is found: its name is the
+    task's module path, and the module registers it on import (deliveries.jobs.tasks).
+    Only a registration runs: importing a module that registers nothing under the name
+    runs nothing of it. Raises ``Unreadable`` with the reason when there is none."""
+    spec = JOB_TYPES.get(name)
+    if spec is not None:
+        return spec
+    module = name.rpartition(".")[0]
+    if module:
+        try:
+            import_module(module)
+        except Exception as exc:  # a module that fails on import is the job's reason
+            raise Unreadable(
+                f"unknown job type {name!r}: importing {module!r} failed: "
+                f"{type(exc).__name__}: {exc}"[:500]
+            ) from exc
+        spec = JOB_TYPES.get(name)
+    if spec is None:
+        raise Unreadable(f"unknown job type {name!r}")
+    return spec
+
+
 def enqueue(
     type: str,
     payload: Mapping | None = None,
@@ -233,11 +275,39 @@ def enqueue(
     however the process ends afterwards. With ``idempotency_key`` a second enqueue of the
     same type and key writes nothing and returns the first job (the constraint
     ``job_idempotency`` decides, also between concurrent callers). ``tenant``: a tenant
-    (anything with a UUID ``id``) or its id, for the per-tenant fairness of the claim."""
+    (anything with a UUID ``id``) or its id, for the per-tenant fairness of the claim.
+
+    The payload is stored as JSON with Django's encoder, and the function gets it back
+    from there: a ``Decimal``, ``datetime`` or ``UUID`` arrives as its string, on the
+    first run as on a retry."""
+    return enqueue_job(
+        type,
+        payload,
+        run_at=run_at,
+        deadline=deadline,
+        idempotency_key=idempotency_key,
+        tenant=tenant,
+        priority=priority,
+        queue=queue,
+    )[0]
+
+
+def enqueue_job(
+    type: str,
+    payload: Mapping | None = None,
+    *,
+    run_at: datetime | None = None,
+    deadline: datetime | None = None,
+    idempotency_key: str | None = None,
+    tenant=None,
+    priority: int | None = None,
+    queue: str | None = None,
+):
+    """``enqueue``, returning (the ``Job`` row, whether this call wrote it)."""
     from .job_queries import job_insert
 
     spec = job_type(type)
-    payload = dict(payload or {})
+    payload = as_json(dict(payload or {}))
     now = timezone.now()
     lock_key = spec.lock(**payload) if spec.lock is not None else ""
     fields = {
@@ -258,7 +328,7 @@ def enqueue(
     row, created = job_insert(fields)
     if created:
         wakeup.notify(wakeup.JOBS)
-    return row
+    return row, created
 
 
 # --- The running job -------------------------------------------------------------------
@@ -275,6 +345,8 @@ class RunningJob:
     type: str
     attempt: int
     tenant_id: object = None
+    # The run_jobs process running it (its LoopRun id), when it has one.
+    run_id: object = None
     done: int | None = None
     total: int | None = None
     # Set by progress(); the worker writes it with the next lease renewal.

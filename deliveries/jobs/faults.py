@@ -12,6 +12,7 @@ soak run the real commands with it set. The named points:
   the death rolls back; with Redis the page is claimed and, at the second, published.)
 - ``worker.after_lease``: the lease is committed, no request sent (death during a lease).
 - ``worker.after_send``: the receiver answered, the outcome is not recorded.
+- ``smtp.after_commit``: the SMTP listener stored a message, its 250 not yet answered.
 """
 
 import os
@@ -19,7 +20,13 @@ import os
 from deliveries.conf import settings
 
 POINTS = frozenset(
-    {"relay.before_publish", "relay.after_publish", "worker.after_lease", "worker.after_send"}
+    {
+        "relay.before_publish",
+        "relay.after_publish",
+        "worker.after_lease",
+        "worker.after_send",
+        "smtp.after_commit",
+    }
 )
 CRASH_EXIT_CODE = 137
 

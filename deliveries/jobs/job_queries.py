@@ -14,6 +14,7 @@ two per job.
     pending ──deadline passed──▶ dead
 """
 
+import json
 import uuid
 from collections import Counter
 from datetime import datetime, timedelta
@@ -26,6 +27,8 @@ from .models import EntityLock, Job, JobOutcome, JobRun, JobState
 from .sql import Statement
 
 PENDING, RUNNING, DONE, DEAD = JobState.PENDING, JobState.RUNNING, JobState.DONE, JobState.DEAD
+# The error class of a ``lost`` run (the sweep's): no exception was seen, the lease ran out.
+LEASE_EXPIRED_CLASS = "deliveries.jobs.background.LeaseExpired"
 
 # --- Enqueue -----------------------------------------------------------------------------
 
@@ -191,7 +194,8 @@ def _(params):
 # What one finished (or given back) job records: the row's next state, and the run.
 RECORD_FIELDS = (
     "id", "token", "state", "run_at", "error", "reason", "uncount", "reported", "done",
-    "total", "outcome", "attempt", "started", "duration_ms", "trace", "keep_lock",
+    "total", "outcome", "attempt", "started", "duration_ms", "trace", "keep_lock", "result",
+    "error_class",
 )  # fmt: skip
 
 # Record a batch: move each job out of running, for its lease holder only (a job whose
@@ -201,23 +205,27 @@ RECORD_FIELDS = (
 # unless ``keep_lock``: the function still runs (past its timeout, or at a shutdown), and
 # the lock is the worker's to release when it returns, or to let expire.
 # ``run_at`` is read for pending only; progress (``reported``) is written when set, a
-# ``total`` of -1 meaning unknown. Params: one array per RECORD_FIELDS name, with now and
-# run_id; rows (id,) of the jobs moved.
+# ``total`` of -1 meaning unknown; ``result`` is the JSON text of a return value the job's
+# type keeps ("" for none), ``error_class`` the import path of the exception the run
+# raised. Params: one array per RECORD_FIELDS name, with now and run_id; rows (id,) of the
+# jobs moved.
 RECORD_JOBS = Statement("""
 WITH r AS (
     SELECT * FROM unnest(%(id)b::uuid[], %(token)b::uuid[], %(state)b::text[],
         %(run_at)b::timestamptz[], %(error)b::text[], %(reason)b::text[], %(uncount)b::int4[],
         %(reported)b::bool[], %(done)b::int8[], %(total)b::int8[], %(outcome)b::text[],
         %(attempt)b::int4[], %(started)b::timestamptz[], %(duration_ms)b::float8[],
-        %(trace)b::text[], %(keep_lock)b::bool[])
+        %(trace)b::text[], %(keep_lock)b::bool[], %(result)b::text[],
+        %(error_class)b::text[])
     AS r(id, token, state, run_at, error, reason, uncount, reported, done, total, outcome,
-        attempt, started, duration_ms, trace, keep_lock)
+        attempt, started, duration_ms, trace, keep_lock, result, error_class)
 ), moved AS (
     UPDATE trusty_jobs_job j
     SET state = r.state, lease_token = NULL, lease_until = NULL,
         run_at = CASE WHEN r.state = 'pending' THEN r.run_at ELSE j.run_at END,
         last_error = CASE WHEN r.uncount > 0 THEN j.last_error ELSE r.error END,
         dead_reason = r.reason, attempts = j.attempts - r.uncount,
+        result = nullif(r.result, '')::jsonb,
         finished_at = CASE WHEN r.state IN ('done', 'dead') THEN %(now)s END,
         progress_done = CASE WHEN r.reported THEN r.done ELSE j.progress_done END,
         progress_total = CASE WHEN r.reported THEN nullif(r.total, -1)
@@ -227,8 +235,9 @@ WITH r AS (
     RETURNING j.id, j.lock_key, r.token, r.keep_lock
 ), runs AS (
     INSERT INTO trusty_jobs_jobrun (job_id, attempt, run_id, started_at, duration_ms,
-        outcome, error)
-    SELECT id, attempt, %(run_id)s::uuid, started, duration_ms, outcome, trace FROM r
+        outcome, error, error_class)
+    SELECT id, attempt, %(run_id)s::uuid, started, duration_ms, outcome, trace, error_class
+    FROM r
     WHERE outcome <> ''
 ), unlocked AS (
     DELETE FROM deliveries_entitylock l USING moved
@@ -252,6 +261,7 @@ def _(params):
                 "lease_until": None,
                 "dead_reason": r["reason"],
                 "finished_at": now if r["state"] in (DONE, DEAD) else None,
+                "result": json.loads(r["result"]) if r["result"] else None,
             }
             if r["state"] == PENDING:
                 fields["run_at"] = r["run_at"]
@@ -278,6 +288,7 @@ def _(params):
                     duration_ms=r["duration_ms"],
                     outcome=r["outcome"],
                     error=r["trace"],
+                    error_class=r["error_class"],
                 )
     return moved
 
@@ -378,6 +389,7 @@ def expire_leases(now: datetime, limit: int) -> tuple[int, int]:
                 duration_ms=((now - started).total_seconds() * 1000) if started else 0.0,
                 outcome=JobOutcome.LOST,
                 error="the lease expired before the run was recorded",
+                error_class=LEASE_EXPIRED_CLASS,
             )
             for job_id, _, attempts, _, started in rows
         )
@@ -413,6 +425,7 @@ def replay_jobs(job_ids, now: datetime) -> int:
         deadline=None,
         dead_reason="",
         finished_at=None,
+        result=None,
         progress_done=None,
         progress_total=None,
         progress_updated_at=None,

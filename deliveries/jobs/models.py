@@ -80,9 +80,9 @@ class EntityLock(models.Model):
 
 
 class LoopRun(models.Model):
-    """What one run of a long-running command (scheduler, relay, workers, a poll loop)
-    did: the run id is in its logs, and its heartbeat is refreshed on a fixed period
-    while it runs (``deliveries.jobs.loop.Heartbeat``)."""
+    """What one run of a long-running command (scheduler, relay, workers, a poll loop,
+    the SMTP listener) did: the run id is in its logs, and its heartbeat is refreshed on
+    a fixed period while it runs (``deliveries.jobs.loop.Heartbeat``)."""
 
     class Kind(models.TextChoices):
         SCHEDULER = "scheduler"
@@ -90,6 +90,7 @@ class LoopRun(models.Model):
         WORKERS = "workers"
         POLL = "poll"
         JOBS = "jobs"
+        SMTP = "smtp"
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     kind = models.CharField(max_length=16, choices=Kind.choices)
@@ -155,6 +156,9 @@ class Job(models.Model):
     progress_updated_at = models.DateTimeField(null=True, blank=True)
     last_error = models.TextField(default="", blank=True)
     dead_reason = models.CharField(max_length=500, default="", blank=True)
+    # What the function returned, as JSON, for a done job whose type keeps it (a Django
+    # task's, deliveries.jobs.tasks, within its backend's RESULT_MAX_BYTES); else NULL.
+    result = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField()
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -237,6 +241,9 @@ class JobRun(models.Model):
     outcome = models.CharField(max_length=16, choices=Outcome.choices)
     # The traceback of an error, secrets masked; "" for a run that returned.
     error = models.TextField(default="", blank=True)
+    # The exception's class as an import path ("builtins.ValueError"); "" for a run that
+    # raised nothing. A database default: a previous release inserts runs without it.
+    error_class = models.CharField(max_length=200, default="", db_default="", blank=True)
 
     class Meta:
         constraints = [

@@ -41,6 +41,7 @@ from .background import (
     Unreadable,
     call_async,
     call_sync,
+    find_job_type,
     lock_retry_at,
 )
 from .job_queries import (
@@ -111,6 +112,10 @@ class Result:
     reason: str = ""
     # The function still runs: its entity lock stays until it returns (or expires).
     keep_lock: bool = False
+    # The return value kept as JSON text (JobType.keep_result), "" for none.
+    result: str = ""
+    # The import path of the exception's class, "" for none.
+    error_class: str = ""
 
 
 def describe(exc: BaseException) -> tuple[str, str]:
@@ -120,23 +125,60 @@ def describe(exc: BaseException) -> tuple[str, str]:
     return line, trace
 
 
-def classify(entry: InFlight, exc: BaseException | None, seconds: float) -> Result:
+def class_path(exc_type: type) -> str:
+    """An exception class's import path, as Django's tasks record it."""
+    return f"{exc_type.__module__}.{exc_type.__qualname__}"[:200]
+
+
+def classify(
+    entry: InFlight, exc: BaseException | None, seconds: float, value: object = None
+) -> Result:
+    """The outcome of a run that returned ``value`` or raised ``exc``. A return value
+    the job's type keeps is turned into JSON here, in the thread that ran the job; one
+    it refuses ends the run as that exception (``Fail``: dead at once)."""
     if exc is None:
-        return Result(entry, JobOutcome.DONE, seconds)
+        keep = entry.spec.keep_result if entry.spec is not None else None
+        if keep is None:
+            return Result(entry, JobOutcome.DONE, seconds)
+        try:
+            return Result(entry, JobOutcome.DONE, seconds, result=keep(value) or "")
+        except Exception as refused:  # Fail: dead at once; anything else is an error
+            exc = refused
+    kind = class_path(type(exc))
     if isinstance(exc, Retry):
-        return Result(entry, JobOutcome.RETRY, seconds, error=str(exc), retry_after=exc.after)
+        return Result(
+            entry,
+            JobOutcome.RETRY,
+            seconds,
+            error=str(exc),
+            retry_after=exc.after,
+            error_class=kind,
+        )
     if isinstance(exc, Fail):
-        return Result(entry, JobOutcome.FAILED, seconds, error=exc.reason, reason=exc.reason)
+        return Result(
+            entry,
+            JobOutcome.FAILED,
+            seconds,
+            error=exc.reason,
+            reason=exc.reason,
+            error_class=kind,
+        )
     if isinstance(exc, TimeoutError) and entry.spec and entry.spec.is_async:
         return _timed_out(entry, seconds)
     line, trace = describe(exc)
-    return Result(entry, JobOutcome.ERROR, seconds, error=line, trace=trace)
+    return Result(entry, JobOutcome.ERROR, seconds, error=line, trace=trace, error_class=kind)
 
 
 def _timed_out(entry: InFlight, seconds: float, *, still_running: bool = False) -> Result:
     error = f"timed out after {entry.spec.timeout:g} s"
     return Result(
-        entry, JobOutcome.TIMEOUT, seconds, error=error, trace=error, keep_lock=still_running
+        entry,
+        JobOutcome.TIMEOUT,
+        seconds,
+        error=error,
+        trace=error,
+        keep_lock=still_running,
+        error_class=class_path(TimeoutError),
     )
 
 
@@ -356,7 +398,7 @@ class JobWorker:
             claimed = Claimed(*row)
             if isinstance(claimed.payload, str):  # Django's psycopg setup loads jsonb as text
                 claimed.payload = {} if claimed.payload == "{}" else json.loads(claimed.payload)
-            self._start(claimed, now, leases.get(claimed.type, default_lease), coroutines)
+            self._start(claimed, now, leases.get(claimed.type), default_lease, coroutines)
         if coroutines:
             if self.event_loop is None:
                 self.event_loop = EventLoopThread()
@@ -364,33 +406,60 @@ class JobWorker:
         self.counts["claimed"] += len(rows)
         return len(rows)
 
-    def _start(self, job: Claimed, now: datetime, lease: float, coroutines: list) -> None:
+    def _start(
+        self,
+        job: Claimed,
+        now: datetime,
+        lease: float | None,
+        default_lease: float,
+        coroutines: list,
+    ) -> None:
         """Start a claimed job: a plain function in the pool, a coroutine added to
         ``coroutines`` (started on the loop with the claim's others); or settle it at once
-        (unreadable, or its entity lock held by another job)."""
-        spec = JOB_TYPES.get(job.type)
-        running = RunningJob(id=job.id, type=job.type, attempt=job.attempt, tenant_id=job.tenant_id)
+        (unreadable, or its entity lock held by another job). ``lease``: the seconds the
+        claim gave its type, None for a type this process had not registered yet (the
+        claim gave it ``default_lease``; it is found now, ``find_job_type``)."""
+        running = RunningJob(
+            id=job.id,
+            type=job.type,
+            attempt=job.attempt,
+            tenant_id=job.tenant_id,
+            run_id=self.run_id,
+        )
         t0 = time.monotonic()
         entry = InFlight(
             job=job,
-            spec=spec,
+            spec=None,
             running=running,
             started=now,
             t0=t0,
             timeout_at=None,
-            lease=lease,
-            renew_at=t0 + lease / 2,
+            lease=lease or default_lease,
+            renew_at=t0 + (lease or default_lease) / 2,
         )
         try:
-            if spec is None:
-                raise Unreadable(f"unknown job type {job.type!r}")
+            spec = entry.spec = find_job_type(job.type)
             payload = spec.read(job.version, job.payload)
         except Unreadable as exc:
             reason = str(exc)
-            self._settle(entry, Result(entry, JobOutcome.UNREADABLE, error=reason, reason=reason))
+            self._settle(
+                entry,
+                Result(
+                    entry,
+                    JobOutcome.UNREADABLE,
+                    error=reason,
+                    reason=reason,
+                    error_class=class_path(Unreadable),
+                ),
+            )
             return
+        if lease is None:
+            # Renewals hold it for its own lease from the first one, due before the
+            # claim's runs out; the entity lock is taken for the claim's.
+            entry.lease = spec.lease_seconds
+            entry.renew_at = t0 + min(default_lease, entry.lease) / 2
         if job.lock_key and not entity_lock_acquire(
-            key=job.lock_key, owner=str(job.token), ttl=lease, now=now
+            key=job.lock_key, owner=str(job.token), ttl=lease or default_lease, now=now
         ):
             self._settle(entry, Result(entry, ""))  # held by another job: back, not an attempt
             return
@@ -406,12 +475,12 @@ class JobWorker:
             self.pool.submit(lambda e=entry, p=payload: self._run_sync(e, p))
 
     def _run_sync(self, entry: InFlight, payload: dict) -> None:
-        exc = None
+        exc = value = None
         try:
-            call_sync(entry.spec, entry.running, payload)
+            value = call_sync(entry.spec, entry.running, payload)
         except BaseException as e:
             exc = e
-        result = classify(entry, exc, time.monotonic() - entry.t0)
+        result = classify(entry, exc, time.monotonic() - entry.t0, value)
         if not self._finish(entry, result) and entry.job.lock_key:
             # Recorded at its timeout with the lock kept: the function is done now.
             with contextlib.suppress(DatabaseError):
@@ -421,7 +490,8 @@ class JobWorker:
         # Cancelled by the worker (a release), its outcome is settled already; cancelled
         # from within, it is an error like any other.
         exc = asyncio.CancelledError() if task.cancelled() else task.exception()
-        self._finish(entry, classify(entry, exc, time.monotonic() - entry.t0))
+        value = task.result() if exc is None else None
+        self._finish(entry, classify(entry, exc, time.monotonic() - entry.t0, value))
 
     def _finish(self, entry: InFlight, result: Result | None) -> bool:
         """The job's function returned: free its slot, and take ``result`` unless its
@@ -515,6 +585,8 @@ class JobWorker:
                 "duration_ms": round(r.seconds * 1000, 3),
                 "trace": r.trace or r.error,
                 "keep_lock": r.keep_lock,
+                "result": r.result,
+                "error_class": r.error_class,
             }
             for name in RECORD_FIELDS:
                 params[name].append(values[name])

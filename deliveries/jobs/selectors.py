@@ -5,7 +5,7 @@ from datetime import datetime
 
 from django.utils import timezone
 
-from .models import Job, JobState
+from .models import Job, JobRun, JobState
 
 
 @dataclass(frozen=True)
@@ -35,3 +35,11 @@ def job_progress(job: Job, *, now: datetime | None = None) -> JobProgress:
     if running and fraction is not None and 0 < fraction < 1 and active > 0:
         eta = active * (1 - fraction) / fraction
     return JobProgress(done, total, rate, eta)
+
+
+def job_with_runs(job_id) -> tuple[Job, list[JobRun]] | None:
+    """A job and its runs, oldest first (a Django task's result), or None."""
+    job = Job.objects.filter(id=job_id).first()
+    if job is None:
+        return None
+    return job, list(job.runs.order_by("started_at", "id"))

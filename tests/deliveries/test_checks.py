@@ -84,6 +84,19 @@ def test_the_default_cache_is_shared():
     assert check_shared_cache(None) == []
 
 
+def test_a_host_without_q_cluster_is_told_the_line_that_quiets_django_q2(settings):
+    from deliveries.checks import check_q_cluster
+    from deliveries.conf import q_cluster
+
+    assert check_q_cluster(None) == []  # the standalone service sets it
+    del settings.Q_CLUSTER
+    (warning,) = check_q_cluster(None)
+    assert warning.id == "deliveries.W004"
+    assert "Q_CLUSTER = q_cluster()" in warning.hint
+    settings.Q_CLUSTER = q_cluster()
+    assert check_q_cluster(None) == []
+
+
 def test_metrics_open_to_no_one_is_a_deploy_warning(settings):
     settings.METRICS_TOKEN, settings.METRICS_ALLOW_IPS = "", []
     assert [w.id for w in check_metrics_access(None)] == ["deliveries.W003"]

@@ -15,6 +15,7 @@ from deliveries.jobs.models import LoopRun
 from deliveries.models import Delivery
 from ingest.models import BackfillRun
 from ingest.poll_sources import poll_source_create
+from ingest.sources import source_create
 from tests.conftest import queue_for_slow_endpoint, scrape, subprocess_env
 from tests.ingest.fake_provider import FakeProvider, StaticRecords
 
@@ -35,6 +36,7 @@ LONG_RUNNING = {
     "run_workers": ("workers", ()),
     "run_jobs": ("jobs", ()),
     "poll": ("poll", ("crm", "--interval", "3600")),
+    "run_smtp": ("smtp", ("--source", "mail", "--port", "0")),
 }
 BEATS_ITS_OWN_RUN = {"backfill"}
 FINITE = {
@@ -77,6 +79,7 @@ def test_every_long_running_command_beats_on_its_period_while_idle(tenant, provi
     poll_source_create(
         slug="crm", config=provider.config(page_size=10), auth_secret=TOKEN, schedule=False
     )
+    source_create(slug="mail", scheme="smtp", secrets=[], options={"addresses": ["a@example.com"]})
     started = {kind: commands(name, *a, env=env()) for name, (kind, a) in LONG_RUNNING.items()}
     until(
         lambda: LoopRun.objects.filter(kind__in=started).count() == len(started),

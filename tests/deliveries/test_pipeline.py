@@ -1,6 +1,9 @@
 """The outbound pipeline end to end: publish, schedule, relay, work."""
 
 import json
+import uuid
+from datetime import UTC, datetime
+from decimal import Decimal
 
 import pytest
 from django.db import connection, transaction
@@ -117,6 +120,38 @@ def test_delivery_is_signed_and_verifiable_by_the_standardwebhooks_package(tenan
     assert request.headers["idempotency-key"] == str(delivery.id)
     verified = Webhook(secret).verify(request.body, request.headers)
     assert verified == {"a": 1}
+
+
+def test_a_payload_of_model_values_goes_out_as_djangos_json_the_same_on_every_attempt(
+    tenant, receiver
+):
+    # What a host's model gives: a DecimalField amount, a DateTimeField, a UUID key.
+    receiver.behaviours["/flaky"] = fail_first(1)
+    _endpoint, secret = services.endpoint_create(tenant=tenant, url=receiver.url("/flaky"))
+    paid_at = datetime(2026, 3, 1, 9, 30, 15, 250000, tzinfo=UTC)
+    invoice_id = uuid.UUID("0195e3b4-7c1d-7000-8000-0123456789ab")
+    payload = {"invoice_id": invoice_id, "amount": Decimal("12.50"), "paid_at": paid_at}
+    event = services.publish_event(tenant=tenant, event_type="invoice.paid", payload=payload)
+
+    drain()
+    make_due()
+    drain()
+
+    expected = (
+        b'{"invoice_id":"0195e3b4-7c1d-7000-8000-0123456789ab","amount":"12.50",'
+        b'"paid_at":"2026-03-01T09:30:15.250Z"}'
+    )
+    assert bytes(Event.objects.get(id=event.id).body) == expected
+    copies = receiver.requests_to("/flaky")
+    assert [c.body for c in copies] == [expected, expected]
+    assert Webhook(secret).verify(copies[1].body, copies[1].headers)["amount"] == "12.50"
+
+
+@pytest.mark.parametrize("number", [float("nan"), float("inf"), -float("inf")])
+def test_a_payload_no_json_parser_reads_is_refused_and_writes_nothing(tenant, number):
+    with pytest.raises(ValueError, match="JSON"):
+        services.publish_event(tenant=tenant, event_type="t", payload={"ratio": number})
+    assert not Event.objects.exists()
 
 
 def test_a_body_at_the_size_limit_arrives_byte_for_byte_and_verifies(tenant, receiver, settings):

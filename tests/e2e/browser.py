@@ -1,8 +1,6 @@
-"""What the browser tests share: headless Debian Chromium through Playwright, screenshots
-under test-output/, logging in, and running the pipeline beside an open page.
-
-The browser is Debian's ``chromium`` package (``make test`` installs it); Playwright's own
-browser download is never used."""
+"""Headless Debian Chromium driven by Playwright, for the tests that use pages as a
+person does (the admin, the customer portal). The browser is Debian's ``chromium``
+package (``make test`` installs it); Playwright's own browser download is never used."""
 
 import re
 from collections.abc import Iterator
@@ -30,9 +28,10 @@ TIMEOUT_MS = 10_000
 
 @contextmanager
 def chromium() -> Iterator[Browser]:
-    """Headless Debian Chromium. Playwright's sync API runs an event loop in this thread
-    while it is open, so Django refuses ORM calls here until it closes: set up the data
-    first and touch the database from another thread meanwhile."""
+    """Headless Debian Chromium, for a test that opens several pages (or one page at
+    several sizes) in one browser. Playwright's sync API runs an event loop in this
+    thread while it is open, so Django refuses ORM calls here until it closes: set up the
+    data first and touch the database from another thread meanwhile."""
     if not CHROMIUM.exists():
         pytest.fail(
             f"{CHROMIUM} is missing: this test drives Debian's chromium package "
@@ -49,10 +48,11 @@ def chromium() -> Iterator[Browser]:
 
 
 @contextmanager
-def chromium_page(*, width: int = 1700, height: int = 1000) -> Iterator[Page]:
-    """A page of its own browser, ``width`` by ``height`` pixels."""
+def chromium_page(screenshots: Path) -> Iterator[Page]:
+    """A page in headless Debian Chromium (``chromium``), its screenshots' folder made."""
+    screenshots.mkdir(parents=True, exist_ok=True)
     with chromium() as browser:
-        page = browser.new_page(viewport={"width": width, "height": height})
+        page = browser.new_page(viewport={"width": 1700, "height": 1000})
         page.set_default_timeout(TIMEOUT_MS)
         yield page
 
@@ -71,6 +71,7 @@ def screenshots(folder: str):
 
 
 def log_in(page: Page, base_url: str, username: str, password: str) -> None:
+    """Through the admin's login form; waits for the page it leads to."""
     admin = base_url + "/admin/"
     page.goto(admin + "login/?next=/admin/")
     page.fill("#id_username", username)
@@ -79,12 +80,13 @@ def log_in(page: Page, base_url: str, username: str, password: str) -> None:
     page.wait_for_url(re.compile("^" + re.escape(admin) + r"(\?.*)?$"))
 
 
-def drain_in_a_thread() -> None:
-    """``drain()`` while the browser is open: the ORM and ``asyncio.run`` both refuse to
-    run beside the Playwright sync API's event loop in this thread."""
+def in_a_thread(fn=drain) -> None:
+    """``fn()`` (the pipeline's ``drain`` by default) while the browser is open: the ORM
+    and ``asyncio.run`` both refuse to run beside the Playwright sync API's event loop in
+    this thread."""
     errors: list[BaseException] = []  # re-raised in the test's thread
-    thread = in_thread(drain, errors)
+    thread = in_thread(fn, errors)
     thread.join(30)
-    assert not thread.is_alive(), "the pipeline did not drain within 30 s"
+    assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} did not finish within 30 s"
     if errors:
         raise errors[0]

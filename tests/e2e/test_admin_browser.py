@@ -14,17 +14,26 @@ import re
 
 import pytest
 from django.contrib.auth import get_user_model
+from playwright.sync_api import Page
 
 from deliveries import services
 from deliveries.models import Attempt, AuditEntry, Delivery, EventType
 from tests.conftest import drain
-from tests.e2e.browser import chromium_page, drain_in_a_thread, screenshots
+from tests.e2e.browser import TEST_OUTPUT, chromium_page, in_a_thread
 from tests.receiver import always, fail_first
 
+SCREENSHOTS = TEST_OUTPUT / "admin-browser"
 PASSWORD = "correct-horse-battery-staple"
-shot = screenshots("admin-browser")
 
 pytestmark = pytest.mark.slow
+
+
+def drain_in_a_thread() -> None:
+    in_a_thread(drain)
+
+
+def shot(page: Page, name: str) -> None:
+    page.screenshot(path=SCREENSHOTS / f"{name}.png", full_page=True)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -57,7 +66,7 @@ def test_an_operator_replays_a_failed_delivery_and_sees_the_new_attempt(
 
     admin = live_server.url + "/admin/"
     detail = admin + f"deliveries/delivery/{delivery.id}/change/"
-    with chromium_page() as page:
+    with chromium_page(SCREENSHOTS) as page:
         page.goto(admin + "login/?next=/admin/")
         page.fill("#id_username", "operator")
         page.fill("#id_password", PASSWORD)
@@ -135,3 +144,74 @@ def test_an_operator_replays_a_failed_delivery_and_sees_the_new_attempt(
     ]
     assert {r.webhook_id for r in receiver.requests_to("/flaky")} == {str(delivery.id)}
     assert len(receiver.requests_to("/flaky")) == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_operator_reads_an_inbound_email_and_processes_it_again(live_server, settings):
+    """Mail sent with smtplib to the real listener, then read and reprocessed in the
+    browser: the list shows sender, recipient, subject and state; the page the message,
+    its handler runs and the rejected one's reason."""
+    from ingest import handlers
+    from ingest.models import InboundEmail, InboundEvent
+    from tests.ingest.conftest import message, smtp_client, smtp_listener
+    from tests.ingest.test_smtp import HOSTILE
+
+    settings.SESSION_COOKIE_SECURE = False
+    settings.CSRF_COOKIE_SECURE = False
+    from ingest.sources import source_create
+
+    source_create(
+        slug="mail", scheme="smtp", secrets=[], options={"addresses": ["support@example.com"]}
+    )
+    registration = handlers.Registration("email", "support@example.com", lambda m: None)
+    handlers.REGISTRY.append(registration)
+    try:
+        with smtp_listener() as running, smtp_client(running.bound_port) as client:
+            client.sendmail(
+                "ann@example.org",
+                ["support+ticket-5@example.com"],
+                message(subject="Printer on fire", to="support+ticket-5@example.com"),
+            )
+            client.mail("ann@example.org")
+            client.rcpt("support@example.com")
+            assert client.data(HOSTILE["nested_archive"])[0] == 554
+        drain()
+    finally:
+        handlers.REGISTRY.remove(registration)
+    accepted = InboundEmail.objects.get(rejected_reason="")
+    get_user_model().objects.create_superuser("operator", "operator@example.com", PASSWORD)
+
+    admin = live_server.url + "/admin/"
+    listing = admin + "ingest/inboundemail/"
+    with chromium_page(SCREENSHOTS) as page:
+        page.goto(admin + "login/?next=/admin/")
+        page.fill("#id_username", "operator")
+        page.fill("#id_password", PASSWORD)
+        page.click("input[type=submit]")
+        page.wait_for_url(admin)
+        page.locator("#content-main").get_by_role("link", name="Inbound emails").click()
+        page.wait_for_url(listing)
+        rows = page.locator("#result_list tbody tr")
+        assert rows.count() == 2
+        texts = [rows.nth(i).inner_text() for i in range(2)]
+        assert any("Printer on fire" in t and "processed" in t for t in texts)
+        assert any("nested_archive" in t and "rejected" in t for t in texts)
+        shot(page, "11-inbound-emails")
+
+        page.goto(listing + f"{accepted.pk}/change/")
+        assert "It is on fire." in page.locator(".field-body_text").inner_text()
+        assert "ok" in page.locator(".field-handler_runs").inner_text()
+        assert page.locator(".field-recipient .readonly").inner_text() == (
+            "support+ticket-5@example.com"
+        )
+        shot(page, "12-inbound-email")
+
+        page.goto(listing)
+        page.locator(f"input[name=_selected_action][value='{accepted.pk}']").check()
+        page.select_option("select[name=action]", "reprocess")
+        with page.expect_navigation():
+            page.click("button[name=index]")
+        assert "1 emails queued for processing again" in page.locator(".messagelist").inner_text()
+        shot(page, "13-processed-again")
+    assert InboundEvent.objects.get(pk=accepted.pk).state == "pending"
+    assert AuditEntry.objects.filter(action="inbound_email.reprocess", count=1).exists()

@@ -1,106 +1,50 @@
 """A team pip-installs the product into its own Django project, and it works there.
 
 The wheel is built from a copy of this checkout, installed with its declared
-dependencies (and nothing else) into a fresh virtualenv, and run by a host project of
-its own (``tests/host_project/``: an app with an ``Invoice`` in its admin, a DRF view on
-its own ``REST_FRAMEWORK``), copied to a temporary directory so that nothing of this
-checkout is importable. On a PostgreSQL database of its own the host migrates, publishes
-an event in the transaction that creates an invoice (and rolls another pair back), runs
-the scheduler, relay and workers from its ``manage.py`` to a local receiver that checks
+dependencies (and nothing else) into a fresh virtualenv (tests/e2e/host_wheel.py), and
+run by a host project of its own (``tests/host_project/``: an app with an ``Invoice`` in
+its admin, a DRF view on its own ``REST_FRAMEWORK`` and DRF's own schema class, and of
+the apps' settings only docs/install.md's block), copied to a temporary directory so
+that nothing of this checkout is importable. It passes ``check --deploy --fail-level
+WARNING``. On a PostgreSQL database of its own the host migrates, publishes an event in
+the transaction that creates an invoice (and rolls another pair back), runs the
+scheduler, relay and workers from its ``manage.py`` to a local receiver that checks
 every signature with the ``standardwebhooks`` library, and serves the product's API, its
 own API and its admin side by side.
 """
 
+import ast
 import json
 import os
+import secrets
 import shutil
 import subprocess
-import sys
 import sysconfig
-import threading
 import zipfile
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import psycopg
 import pytest
+from cryptography.fernet import Fernet
 from psycopg import sql
 from standardwebhooks.webhooks import Webhook
 
-ROOT = Path(__file__).resolve().parents[2]
+from deliveries import conf as deliveries_conf
+from ingest import conf as ingest_conf
+from tests.e2e.host_wheel import (
+    NOT_SOURCE,
+    ROOT,
+    Receiver,
+    WheelVenv,
+    install_settings_block,
+    run,
+)
+
 HOST_PROJECT = ROOT / "tests" / "host_project"
-# What a source tree holds that is no source: a copy without them builds as a clean clone.
-NOT_SOURCE = shutil.ignore_patterns(
-    ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", "var",
-    ".pytest_cache", ".ruff_cache", ".hypothesis", "test-output", "node_modules",
-)  # fmt: skip
-TIMEOUT = 180
+APP_SETTINGS = {*deliveries_conf.DEFAULTS, *ingest_conf.DEFAULTS}
 
 pytestmark = pytest.mark.slow
-
-
-@dataclass(frozen=True)
-class Received:
-    headers: dict[str, str]
-    body: bytes
-    refused: str  # why standardwebhooks refused the signature; "" when it verified
-
-
-class Receiver:
-    """An ``http.server`` on 127.0.0.1 in a thread: every POST verified with the
-    endpoint's secret (set once the endpoint exists) and recorded."""
-
-    def __init__(self) -> None:
-        self.secret = ""
-        self.received: list[Received] = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                headers = {k.lower(): v for k, v in self.headers.items()}
-                try:
-                    Webhook(receiver.secret).verify(body, headers)
-                    refused = ""
-                except Exception as exc:
-                    refused = repr(exc)
-                receiver.received.append(Received(headers, body, refused))
-                self.send_response(400 if refused else 200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/hooks/invoices"
-
-    def __enter__(self) -> "Receiver":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)
-
-
-def run(args: list, **kwargs) -> subprocess.CompletedProcess:
-    """Run to completion (killed at the timeout); fail with its output on a non-zero exit."""
-    try:
-        done = subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT, **kwargs)
-    except subprocess.TimeoutExpired as exc:
-        out, err = (o.decode() if isinstance(o, bytes) else o for o in (exc.stdout, exc.stderr))
-        pytest.fail(f"{args} timed out:\n{out}\n--- stderr\n{err}")
-    assert done.returncode == 0, (
-        f"{args} exited {done.returncode}:\n{done.stdout}\n--- stderr\n{done.stderr}"
-    )
-    return done
 
 
 @dataclass
@@ -110,8 +54,11 @@ class Host:
     env: dict[str, str]
     wheel: Path
 
+    def command(self, *args: str) -> subprocess.CompletedProcess:
+        return run([self.python, "manage.py", *args], cwd=self.root, env=self.env)
+
     def manage(self, *args: str) -> str:
-        return run([self.python, "manage.py", *args], cwd=self.root, env=self.env).stdout
+        return self.command(*args).stdout
 
     def shell(self, code: str) -> dict:
         """Run ``code`` in ``manage.py shell``; the JSON it prints last."""
@@ -136,45 +83,23 @@ def _host_database_env(name: str) -> tuple[dict, dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def host(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("wheel")
-
-    # 1. The wheel, built as the README says (python -m build, in its isolated build
-    # environment) from a copy of the checkout, so no build/ or *.egg-info lands in it
-    # and no stale build/ leaks in.
-    source = tmp / "source"
-    shutil.copytree(ROOT, source, ignore=NOT_SOURCE)
-    run(
-        [sys.executable, "-m", "build", "--wheel", "--outdir", tmp / "dist", source],
-        env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
-    )
-    (wheel,) = (tmp / "dist").glob("trusty_webhooks-*.whl")
-
-    # 2. A fresh virtualenv with the wheel and its declared dependencies, nothing else.
-    venv = tmp / "venv"
-    run([sys.executable, "-m", "venv", venv])
-    python = venv / "bin" / "python"
-    run(
-        [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", wheel],
-        cwd=tmp,
-    )
-
-    # 3. The host project, away from this checkout, on a database of its own.
-    project = tmp / "host_project"
+def host(wheel_venv: WheelVenv, tmp_path_factory):
+    # The host project, away from this checkout, on a database of its own, with the two
+    # variables docs/install.md's block reads.
+    project = tmp_path_factory.mktemp("host") / "host_project"
     shutil.copytree(HOST_PROJECT, project, ignore=NOT_SOURCE)
     name = f"host_wheel_{os.getpid()}"
     server, db_env = _host_database_env(name)
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in {"DATABASE_URL", "DJANGO_SETTINGS_MODULE", "PYTHONPATH", "VIRTUAL_ENV"}
-    }
-    env.update(db_env, PYTHONUNBUFFERED="1", PATH=f"{venv / 'bin'}{os.pathsep}{env['PATH']}")
+    env = wheel_venv.environ(
+        **db_env,
+        SECRETS_ENCRYPTION_KEYS=Fernet.generate_key().decode(),
+        METRICS_TOKEN=secrets.token_urlsafe(24),
+    )
     with psycopg.connect(autocommit=True, **server) as conn:
         conn.execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(name)))
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     try:
-        host = Host(root=project, python=python, env=env, wheel=wheel)
+        host = Host(root=project, python=wheel_venv.python, env=env, wheel=wheel_venv.wheel)
         host.manage("migrate", "--no-input")
         yield host
     finally:
@@ -214,6 +139,43 @@ def test_the_wheel_carries_the_apps_whole_and_the_host_imports_them_from_it(host
         assert Path(module).is_relative_to(site), module
     assert not [p for p in where["path"] if p and Path(p).resolve().is_relative_to(ROOT)]
     assert Path(site).is_relative_to(venv)
+
+
+def _assigned(code: str) -> set[str]:
+    """The upper-case names a settings module assigns (``X = …``, ``X += …``)."""
+    names = set()
+    for node in ast.walk(ast.parse(code)):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        targets += [node.target] if isinstance(node, ast.AugAssign) else []
+        names |= {t.id for t in targets if isinstance(t, ast.Name) and t.id.isupper()}
+    return names
+
+
+def test_the_hosts_settings_are_install_mds_block_and_pass_the_deploy_check(host):
+    # Of the apps' settings the host writes docs/install.md's block as it is, and the
+    # README's one line for a receiver on loopback; nothing else.
+    written = (host.root / "hostsite" / "settings.py").read_text()
+    block = install_settings_block()
+    assert block in written
+    assert _assigned(written) & APP_SETTINGS == (_assigned(block) & APP_SETTINGS) | {
+        "EGRESS_ALLOW_NETWORKS"
+    }
+    # Its own DRF views on DRF's own schema class, and the deploy check clean: no app
+    # warning, no drf_spectacular.E001 on the host's views.
+    assert "rest_framework.schemas.openapi.AutoSchema" in written
+    checked = host.command("check", "--deploy", "--fail-level", "WARNING")
+    assert "System check identified no issues (1 silenced)." in checked.stdout
+    assert checked.stderr == ""  # not even django-q2's warning: the block sets Q_CLUSTER
+
+
+def test_the_apps_log_lines_reach_the_hosts_logging_as_json(published):
+    *_, logs = published
+    lines = [json.loads(line) for line in logs.splitlines() if line.startswith("{")]
+    assert [line for line in logs.splitlines() if not line.startswith("{")] == []
+    started = {(line["logger"].split(".")[0], line["action"]) for line in lines if "action" in line}
+    assert {("deliveries", f"{loop}.start") for loop in ("scheduler", "relay", "workers")} <= (
+        started
+    )
 
 
 PUBLISH = """
@@ -267,21 +229,26 @@ def published(host):
         # One after another, as cron or a batch job would: the scheduler admits the due
         # delivery (its --until-idle would wait for the delivery to end), the relay
         # publishes it, the workers send it and record the answer.
-        host.manage("run_scheduler", "--once")
-        host.manage("run_relay", "--until-idle")
-        host.manage("run_workers", "--until-idle")
-        return seen, list(receiver.received)
+        logs = "".join(
+            host.command(*command).stderr
+            for command in (
+                ("run_scheduler", "--once"),
+                ("run_relay", "--until-idle"),
+                ("run_workers", "--until-idle"),
+            )
+        )
+        return seen, list(receiver.received), logs
 
 
 def test_an_event_commits_and_rolls_back_with_the_hosts_transaction(published):
-    seen, _ = published
+    seen, *_ = published
     assert seen["invoices"] == ["INV-1"]
     assert seen["events"] == [COMMITTED]
     assert len(seen["deliveries"]) == 1
 
 
 def test_the_hosts_pipeline_delivers_the_committed_event_alone_and_signed(published):
-    seen, received = published
+    seen, received, _ = published
     assert [json.loads(r.body) for r in received] == [COMMITTED]
     assert [r.refused for r in received] == [""]
     assert [r.headers["webhook-id"] for r in received] == seen["deliveries"]
@@ -324,13 +291,14 @@ print(json.dumps({{
     "invoices_by_tenant_key": answer(tenant.get("/host/invoices/")),
     "admin": answer(staff.get("/admin/")),
     "admin_deliveries": answer(staff.get("/admin/deliveries/delivery/")),
+    "api_docs": answer(Client().get("/api/docs/")),
 }}))
 """
 
 
 @pytest.fixture(scope="module")
 def answers(host, published):
-    seen, _ = published
+    seen, *_ = published
     return host.shell(CALL.format(key=seen["key"]))
 
 
@@ -363,6 +331,13 @@ def test_the_hosts_own_api_keeps_the_hosts_rest_framework(answers):
         status, body = answers[call]
         assert status == 403, call
         assert body["host_error"]["status"] == 403, call
+
+
+def test_the_product_api_docs_page_renders_without_drf_spectacular_installed(answers):
+    status, page = answers["api_docs"]
+    assert status == 200
+    assert "swagger-ui-bundle.js" in page
+    assert "/static/drf_spectacular_sidecar/" in page
 
 
 def test_the_hosts_admin_holds_its_models_and_the_products(answers):

@@ -11,11 +11,11 @@ from django.test import Client
 from standardwebhooks.webhooks import Webhook
 
 from deliveries import services
+from deliveries.logs import JsonFormatter
 from deliveries.models import Delivery
 from ingest import handlers
 from ingest.schemes import get_scheme
 from ingest.sources import source_create
-from project.logging import JsonFormatter
 from tests.conftest import drain, make_due
 from tests.receiver import fail_first
 

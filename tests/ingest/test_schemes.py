@@ -786,7 +786,10 @@ def test_invalid_generic_hmac_options_are_refused(options):
 
 
 def test_the_registry_names_every_scheme_and_refuses_unknown_names_and_options():
-    assert set(SCHEMES) == {"standard", "stripe", "github", "shopify", "slack", "hmac", "poll"}
+    assert set(SCHEMES) == {
+        *("standard", "stripe", "github", "shopify", "slack", "hmac", "poll"),
+        *("smtp", "mailgun", "postmark", "sendgrid"),  # the mail sources
+    }
     assert all(get_scheme(name).name == name for name in SCHEMES)
     assert isinstance(get_scheme("hmac"), GenericHmac)
     assert get_scheme("slack").content_types == (

@@ -30,7 +30,8 @@ from deliveries.schedules import install_schedules
 from ingest.backfill import backfill_run_create
 from ingest.models import HandlerRun, InboundEvent, PollSource, SourceSecret
 from ingest.poll_sources import poll_source_create
-from ingest.receiving import NewEvent, inbound_store_many
+from ingest.receiving import NewEvent, email_receive, inbound_store_many
+from ingest.schemes import MailPost
 from ingest.sources import count_refusal, source_create
 
 # Every admin registers these five views; anything else in get_urls() is a custom page.
@@ -110,7 +111,7 @@ def console_data() -> Console:
         events=[NewEvent("evt_1", "order.created", "order_1", now, b'{"id": "order_1"}')],
     )
     HandlerRun.objects.create(
-        event=InboundEvent.objects.get(),
+        event=InboundEvent.objects.get(source=source),
         handler="h",
         attempt=1,
         started_at=now,
@@ -118,6 +119,26 @@ def console_data() -> Console:
         outcome="error",
         error="boom",
     )
+    mailbox = source_create(
+        slug="mail",
+        scheme="smtp",
+        secrets=["relay:smtp-credential-0123456789"],
+        options={"addresses": ["support@example.com"]},
+    )
+    console.secrets.add("relay:smtp-credential-0123456789")
+    for subject in ("Printer on fire", "=?utf-8?q?x=0D=0ABcc=3A_y?="):  # one accepted, one rejected
+        email_receive(
+            source=mailbox,
+            post=MailPost(
+                raw=(
+                    f"From: ann@example.org\r\nTo: support+t-1@example.com\r\n"
+                    f"Subject: {subject}\r\nMessage-ID: <{len(subject)}@example.org>\r\n\r\nhi\r\n"
+                ).encode(),
+                recipients=("support+t-1@example.com",),
+                mail_from="ann@example.org",
+            ),
+            transport="smtp",
+        )
     poll_source_create(
         slug="crm",
         config={"url": "https://crm.example.com/records"},

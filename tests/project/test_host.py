@@ -62,7 +62,12 @@ def test_a_host_with_none_of_the_apps_settings_passes_check_and_migrates(tmp_pat
 # What a host's deploy check may report of the apps: the settings it has not made for a
 # production deployment (docs/settings.md), and nothing else: no error, no model warning,
 # no third-party check broken by the apps' views.
-DEPLOY_ISSUES_OF_A_BARE_HOST = {"deliveries.W002", "deliveries.W003", "deliveries.W030"}
+DEPLOY_ISSUES_OF_A_BARE_HOST = {
+    "deliveries.W002",
+    "deliveries.W003",
+    "deliveries.W004",
+    "deliveries.W030",
+}
 
 
 def test_a_bare_hosts_deploy_check_reports_only_its_unmade_settings(tmp_path):
@@ -117,6 +122,7 @@ nul = tenant.post("/api/v1/events/", '{"event_type": "t", "payload": {"s": "\\u0
                   content_type="application/json")
 anonymous = Client().get("/api/v1/events/")
 schema = Client().get("/api/schema/?format=json")
+docs = Client().get("/api/docs/")
 basic = "Basic " + base64.b64encode(b"ann:pw").decode()
 host = Client(HTTP_AUTHORIZATION=basic).get("/host/users/")
 host_anonymous = Client().get("/host/users/")
@@ -127,6 +133,7 @@ print(json.dumps({
     "anonymous": [anonymous.status_code, sorted(anonymous.json())],
     "schema": [schema.status_code, sorted(schema.json()["paths"])[:1],
                any("/host/" in p for p in schema.json()["paths"])],
+    "docs": [docs.status_code, b"swagger-ui-bundle.js" in docs.content],
     "host": [host.status_code, host.json()["count"], host.json()["next"]],
     "host_anonymous": [host_anonymous.status_code, sorted(host_anonymous.json())],
 }))
@@ -147,9 +154,22 @@ def test_a_hosts_rest_framework_neither_changes_the_api_nor_is_changed_by_it(tmp
     assert seen["nul"] == [400, "parse_error"]
     assert seen["anonymous"] == [401, ["error"]]
     assert seen["schema"] == [200, ["/api/v1/backfill-runs/"], False]
+    # Without drf_spectacular in INSTALLED_APPS (deliveries.apps.TRUSTY_APPS), the docs
+    # page still renders drf-spectacular's template.
+    assert seen["docs"] == [200, True]
     # The host: its basic auth, its page numbers of one, its error handler.
     assert seen["host"] == [200, 2, "http://testserver/host/users/?page=2"]
     assert seen["host_anonymous"] == [401, ["host_error"]]
+
+
+def test_a_host_with_drf_views_on_drf_s_own_schema_class_passes_the_deploy_check(tmp_path):
+    # drf-spectacular's deploy check walks every DRF view of the host and fails on one
+    # whose schema is not drf-spectacular's: the apps do not install it.
+    env = {"DJANGO_SETTINGS_MODULE": "tests.host_settings_rest"}
+    checked = host("check", "--deploy", tmp_path=tmp_path, **env)
+    issues = set(re.findall(r"\(([a-z_]+\.[EWCI]\d+)\)", checked.stderr + checked.stdout))
+    assert {i for i in issues if not i.startswith("security.")} == DEPLOY_ISSUES_OF_A_BARE_HOST
+    assert "drf_spectacular" not in checked.stderr + checked.stdout
 
 
 def test_a_host_misconfiguration_is_reported_with_its_stable_id(tmp_path):
@@ -194,3 +214,15 @@ def test_the_app_modules_read_their_settings_through_the_defaults():
         and APP_READ.search(path.read_text())
     ]
     assert direct == []
+
+
+def test_every_logger_of_the_apps_is_under_the_names_a_host_configures():
+    # docs/install.md's LOGGING names "deliveries" and "ingest": a logger outside them
+    # would write nothing in a host that copied it.
+    named = []
+    for path in [*ROOT.glob("deliveries/**/*.py"), *ROOT.glob("ingest/**/*.py")]:
+        for name in re.findall(r"getLogger\(([^)]*)\)", path.read_text()):
+            module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            named.append(module if name == "__name__" else name.strip("\"'"))
+    assert named, "the apps log"
+    assert [n for n in named if n.split(".")[0] not in {"deliveries", "ingest"}] == []

@@ -181,8 +181,13 @@ def test_a_policy_that_could_schedule_nan_or_infinity_is_refused(options):
 
 
 def test_a_non_finite_schedule_in_settings_fails_the_system_check(settings):
-    from deliveries.checks import check_delivery_settings
+    from deliveries.checks import check_delivery_settings, check_setting_types
 
+    # No number at all: the setting does not read (one error, naming the item); a number
+    # the policy refuses: the policy's own error.
     settings.DELIVERY_RETRY_SCHEDULE = [5.0, math.inf]
-
+    assert [e.id for e in check_setting_types(None)] == ["deliveries.E040"]
+    assert "item 2" in check_setting_types(None)[0].msg
+    settings.DELIVERY_RETRY_SCHEDULE = [5.0, -1.0]
+    assert check_setting_types(None) == []
     assert "deliveries.E001" in [e.id for e in check_delivery_settings(None)]

@@ -8,7 +8,10 @@ from ingest.sources import source_create
 
 
 class Command(BaseCommand):
-    help = "Create an inbound source: POST /ingest/<slug>/ verified with the given scheme."
+    help = (
+        "Create an inbound source: POST /ingest/<slug>/ verified with the given scheme, or "
+        "an smtp source for manage.py run_smtp."
+    )
 
     def add_arguments(self, parser):
         parser.add_argument("slug")
@@ -16,8 +19,9 @@ class Command(BaseCommand):
         parser.add_argument(
             "--secret",
             action="append",
-            required=True,
-            help="Verification secret; repeat for a rotation.",
+            default=[],
+            help="Verification secret (user:password for postmark, sendgrid and smtp's "
+            "AUTH); repeat for a rotation. Every scheme but smtp needs one.",
         )
         parser.add_argument(
             "--options",
@@ -25,9 +29,17 @@ class Command(BaseCommand):
             help='Scheme options as JSON, e.g. \'{"header": "x-sig"}\' (hmac).',
         )
         parser.add_argument("--tolerance", type=int, default=300)
-        parser.add_argument("--max-body-bytes", type=int, default=1024 * 1024)
+        parser.add_argument(
+            "--max-body-bytes",
+            type=int,
+            default=None,
+            help="Largest body (smtp: message) taken; default 1 MiB, mail schemes more.",
+        )
 
     def handle(self, *args, slug, scheme, secret, options, tolerance, max_body_bytes, **kw):
+        if not secret and scheme != "smtp":
+            raise CommandError(f"the {scheme} scheme needs --secret")
+        sizes = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
         try:
             parsed = json.loads(options)
             source = source_create(
@@ -36,10 +48,13 @@ class Command(BaseCommand):
                 secrets=secret,
                 options=parsed,
                 replay_tolerance=tolerance,
-                max_body_bytes=max_body_bytes,
+                **sizes,
             )
         except (ValueError, TypeError) as exc:
             raise CommandError(str(exc)) from exc
         except IntegrityError as exc:
             raise CommandError(f"a source named {slug!r} exists already") from exc
-        self.stdout.write(f"Created source {source.slug} ({scheme}): POST /ingest/{slug}/")
+        if scheme == "smtp":
+            self.stdout.write(f"Created source {slug} (smtp): manage.py run_smtp --source {slug}")
+        else:
+            self.stdout.write(f"Created source {source.slug} ({scheme}): POST /ingest/{slug}/")

@@ -6,7 +6,9 @@ import itertools
 import logging
 import threading
 import time
+import uuid
 from datetime import timedelta
+from decimal import Decimal
 
 import pytest
 from django.db import connection, transaction
@@ -83,6 +85,26 @@ def test_a_rolled_back_enqueue_leaves_nothing_and_a_committed_one_runs():
     work()
     assert state_of(kept).state == JobState.DONE
     assert [m[2] for m in marks()] == ["committed"]
+
+
+@both
+def test_a_payload_of_model_values_reaches_the_job_as_its_json():
+    # What a host's model gives, stored with Django's encoder: the function gets the
+    # strings back, and the entity lock is made from what it gets.
+    invoice_id = uuid.UUID("0195e3b4-7c1d-7000-8000-0123456789ab")
+    queued = enqueue(
+        "test.mark",
+        {"label": Decimal("12.50"), "key": invoice_id, "seconds": 0},
+    )
+    assert queued.payload == {"label": "12.50", "key": str(invoice_id), "seconds": 0}
+    assert queued.lock_key == str(invoice_id)
+    assert state_of(queued).payload == queued.payload
+    work()
+    assert state_of(queued).state == JobState.DONE
+    assert [m[2] for m in marks()] == ["12.50"]
+    with pytest.raises(ValueError, match="JSON"):
+        enqueue("test.mark", {"seconds": float("nan")})
+    assert Job.objects.count() == 1
 
 
 @both

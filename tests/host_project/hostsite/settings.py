@@ -1,12 +1,15 @@
 """The settings of a team's own Django project with the product installed from its wheel.
 
-Of the apps' settings it sets only what it changes (deliveries/conf.py has the rest):
-its loopback receiver needs the egress guard open for 127.0.0.1.
+Django's settings as a production project writes them, its own app and API, then the
+apps' block copied from docs/install.md as it is (tests/e2e/test_host_project_wheel.py
+checks that it is that block and that ``check --deploy --fail-level WARNING`` passes),
+and the one line the README gives for a receiver on this machine.
 """
+# ruff: noqa: E402  (the copied block has its imports, below the project's own settings)
 
 import os
 
-SECRET_KEY = "host-project-key-" + "x" * 40
+SECRET_KEY = "host-project-key-3f8a1c9e7b2d4e6f0a5c8b1d3e7f9a2c4b6d8e0f1a3c5e7"
 DEBUG = False
 ALLOWED_HOSTS = ["testserver", "127.0.0.1", "localhost"]
 DATABASES = {
@@ -26,14 +29,8 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    "rest_framework",  # its own API, before the product's apps
     "billing",
-    "rest_framework",
-    "django_filters",
-    "django_q",
-    "drf_spectacular",
-    "deliveries",
-    "deliveries.jobs",
-    "ingest",
 ]
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
@@ -42,6 +39,7 @@ MIDDLEWARE = [
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 ROOT_URLCONF = "hostsite.urls"
 TEMPLATES = [
@@ -61,7 +59,15 @@ STATIC_URL = "static/"
 USE_TZ = True
 DEFAULT_AUTO_FIELD = "django.db.models.AutoField"
 
-# The host's own API conventions, which the product's API must neither take nor change.
+# Production: cookies and HSTS over HTTPS. The proxy in front redirects plain HTTP (the
+# test's client speaks it, as a developer's would).
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = True
+SECURE_HSTS_SECONDS = 31536000
+SECURE_HSTS_INCLUDE_SUBDOMAINS = SECURE_HSTS_PRELOAD = True
+SILENCED_SYSTEM_CHECKS = ["security.W008"]  # SECURE_SSL_REDIRECT: the proxy's job
+
+# The host's own API conventions, which the product's API must neither take nor change,
+# on DRF's own schema class (drf-spectacular's deploy check would refuse its views).
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "rest_framework.authentication.SessionAuthentication",
@@ -71,7 +77,54 @@ REST_FRAMEWORK = {
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.PageNumberPagination",
     "PAGE_SIZE": 1,
     "EXCEPTION_HANDLER": "billing.api.host_errors",
+    "DEFAULT_SCHEMA_CLASS": "rest_framework.schemas.openapi.AutoSchema",
 }
 
-# The one app setting it changes: the test's receiver listens on loopback.
-EGRESS_ALLOW_NETWORKS = ["127.0.0.1/32"]
+# settings.py: the apps, what they need, and what a deployment sets
+import os
+
+from deliveries.apps import TRUSTY_APPS
+from deliveries.conf import q_cluster
+
+# The three apps and the apps they use (rest_framework, django_filters, django_q, …);
+# a name you already list stays where it is.
+INSTALLED_APPS += [app for app in TRUSTY_APPS if app not in INSTALLED_APPS]
+# Admin input the database refuses (a NUL byte in a filter) is answered 400, not 500.
+MIDDLEWARE += ["deliveries.admin_input.AdminInputMiddleware"]
+
+# The API's and the receiver's rate limits count in the default cache: every process
+# must share it. The apps' migrations create this table (or point it at Redis). Past
+# MAX_ENTRIES the cache culls live counters, which would reset the limits.
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.db.DatabaseCache",
+        "LOCATION": "webhooks_cache",
+        "OPTIONS": {"MAX_ENTRIES": 100_000},
+    }
+}
+
+# django-q2's own cluster (a qcluster running the maintenance schedules), on a queue of
+# its own; without it django-q2 warns at every start.
+Q_CLUSTER = q_cluster()
+
+# The apps' log lines, one JSON object a line on stderr (below, "Logs").
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"json": {"()": "deliveries.logs.JsonFormatter"}},
+    "handlers": {"json": {"class": "logging.StreamHandler", "formatter": "json"}},
+    "loggers": {
+        "deliveries": {"handlers": ["json"], "level": "INFO", "propagate": False},
+        "ingest": {"handlers": ["json"], "level": "INFO", "propagate": False},
+    },
+}
+
+# Fernet keys that encrypt the stored secrets, newest first: one key, or several
+# comma-separated during a rotation (python -c "from cryptography.fernet import Fernet;
+# print(Fernet.generate_key().decode())").
+SECRETS_ENCRYPTION_KEYS = os.environ.get("SECRETS_ENCRYPTION_KEYS")
+# The token Prometheus sends to /metrics (Authorization: Bearer …).
+METRICS_TOKEN = os.environ.get("METRICS_TOKEN")
+
+# settings.py, on a development machine: deliveries to a receiver on this machine
+EGRESS_ALLOW_NETWORKS = ["127.0.0.0/8"]

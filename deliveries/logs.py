@@ -1,4 +1,8 @@
-"""JSON log lines with a stable ``action`` key.
+"""JSON log lines with a stable ``action`` key: ``JsonFormatter``, for a host's ``LOGGING``.
+
+The apps log under two logger names, ``deliveries`` and ``ingest`` (and their children,
+``deliveries.worker``, ``deliveries.jobs``, …); docs/install.md has a ``LOGGING`` that
+writes them with this formatter.
 
 Call sites log ``logger.info("...", extra={"action": "delivery.attempt", "delivery_id": ...})``;
 every extra field lands in the JSON object. Secrets and payloads are never passed as extras.

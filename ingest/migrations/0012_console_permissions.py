@@ -6,7 +6,7 @@ from django.db import migrations
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('ingest', '0010_source_redact_keys'),
+        ('ingest', '0011_source_redact_keys'),
     ]
 
     operations = [

@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('ingest', '0009_schedules_module'),
+        ('ingest', '0010_inbound_email'),
     ]
 
     operations = [

@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('deliveries', '0027_endpoint_pause'),
+        ('deliveries', '0031_portal_link'),
     ]
 
     operations = [
