@@ -50,9 +50,12 @@ def test_a_change_page_edit_a_list_edit_and_deletions_are_audited():
     assert sorted(entry.details["fields"]) == ["Name", "Time zone"]
     assert "Europe/Berlin" not in str(entry.details)  # names of fields, never values
 
-    r = client.post(
-        admin_url(EventType, "add"), {"name": "refund.created", "owner": "billing", "_save": "1"}
-    )
+    add = admin_url(EventType, "add")
+    form = {"name": "refund.created", "owner": "billing", "validation": "warn", "_save": "1"}
+    for formset in client.get(add).context["inline_admin_formsets"]:  # none added
+        management = formset.formset.management_form
+        form.update({management.add_prefix(k): v for k, v in management.initial.items()})
+    r = client.post(add, form)
     assert r.status_code == 302
     assert AuditEntry.objects.filter(action="deliveries.eventtype.add", count=1).exists()
 
@@ -68,7 +71,7 @@ def test_a_change_page_edit_a_list_edit_and_deletions_are_audited():
     )
     assert r.status_code == 302 and not EventType.objects.exists()
     bulk = AuditEntry.objects.filter(action="deliveries.eventtype.delete").latest("id")
-    assert bulk.count == len(names) == 2
+    assert bulk.count == len(names) >= 2
     assert sorted(o["id"] for o in bulk.details["objects"]) == names
 
 
