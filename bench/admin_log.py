@@ -452,9 +452,10 @@ def generate(deliveries: int) -> dict:
 # The overview's tallies (deliveries.models.AttemptMinute, EndpointHour) as the workers
 # write them, for the 24 hours before the measurement: every minute and every hour of
 # every endpoint, each outcome, from WRITERS recording connections. That is the most rows
-# a day of 500 endpoints and 4 workers can leave (17,280 minute rows, 144,000 hour rows),
-# whatever the traffic: a day of a million deliveries leaves as many. Rewritten at every
-# run, relative to its time, so the window is always full.
+# a day of 500 endpoints and 4 workers can leave (17,280 minute rows; 150,000 hour rows,
+# the hour the window starts in included), whatever the traffic: a day of a million
+# deliveries leaves as many. Rewritten at every run, relative to its time, so the window
+# is always full.
 WRITERS = 4
 TALLY_OUTCOMES = ("success", "retry", "permanent")
 TALLIES_SQL = f"""
