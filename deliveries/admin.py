@@ -591,16 +591,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
         if len(ids) > 10_000:
             self.message_user(request, "Select at most 10,000 deliveries.", messages.ERROR)
             return None
-        types = Counter(
-            Delivery.objects.filter(id__in=ids).values_list("event__event_type", flat=True)
-        )
-        known = EventType.objects.filter(name__in=types)
-        selection = Selection(
-            ids=ids,
-            types=types,
-            safe=set(known.filter(replay_safe=True).values_list("name", flat=True)),
-            owners=dict(known.values_list("name", "owner")),
-        )
+        selection = self._selection(ids)
         service = services.delivery_replay if operation == "replay" else services.delivery_cancel
         return confirm_operation(
             self,
@@ -610,6 +601,31 @@ class DeliveryAdmin(ReadOnlyAdmin):
             run=lambda ids: service(delivery_ids=ids, actor=request.user, via="admin"),
             back=back or reverse("admin:deliveries_delivery_changelist"),
         )
+
+    @staticmethod
+    def _selection(ids: list, **by_filter) -> Selection:
+        """What the confirmation page shows of these deliveries: their event types, which
+        are replay-safe and whose."""
+        types = Counter(
+            Delivery.objects.filter(id__in=ids).values_list("event__event_type", flat=True)
+        )
+        known = EventType.objects.filter(name__in=types)
+        return Selection(
+            ids=ids,
+            types=types,
+            safe=set(known.filter(replay_safe=True).values_list("name", flat=True)),
+            owners=dict(known.values_list("name", "owner")),
+            **by_filter,
+        )
+
+    def _refused(self, request, back: str):
+        """None if the user may replay; else a redirect to ``back`` saying why not."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        if self.has_replay_permission(request):
+            return None
+        self.message_user(request, "You may view deliveries but not replay them.", messages.ERROR)
+        return HttpResponseRedirect(back)
 
     def get_urls(self):
         return [
@@ -639,13 +655,8 @@ class DeliveryAdmin(ReadOnlyAdmin):
     def replay_one(self, request, delivery_id):
         """The delivery page's Replay button: the bulk action's confirmation, for one."""
         page = reverse("admin:deliveries_delivery_change", args=[delivery_id])
-        if not self.has_view_permission(request):
-            raise PermissionDenied
-        if not self.has_replay_permission(request):
-            self.message_user(
-                request, "You may view deliveries but not replay them.", messages.ERROR
-            )
-            return HttpResponseRedirect(page)
+        if refused := self._refused(request, page):
+            return refused
         if request.method != "POST":
             return HttpResponseRedirect(page)
         delivery = Delivery.objects.filter(id=delivery_id)
@@ -661,13 +672,8 @@ class DeliveryAdmin(ReadOnlyAdmin):
         log = reverse("admin:deliveries_delivery_changelist")
         query = request.GET.urlencode()
         back = f"{log}?{query}" if query else log
-        if not self.has_view_permission(request):
-            raise PermissionDenied
-        if not self.has_replay_permission(request):
-            self.message_user(
-                request, "You may view deliveries but not replay them.", messages.ERROR
-            )
-            return HttpResponseRedirect(back)
+        if refused := self._refused(request, back):
+            return refused
         try:
             changelist = self.get_changelist_instance(request)
         except IncorrectLookupParameters:
@@ -696,17 +702,11 @@ class DeliveryAdmin(ReadOnlyAdmin):
         ids = list(matching.values_list("id", flat=True)[: REPLAY_MATCHING_MAX + 1])
         matched = len(ids)  # REPLAY_MATCHING_MAX + 1: more than one replay takes
         ids = ids[:REPLAY_MATCHING_MAX]
-        rows = Delivery.objects.filter(id__in=ids)
-        types = Counter(rows.values_list("event__event_type", flat=True))
-        known = EventType.objects.filter(name__in=types)
-        selection = Selection(
-            ids=ids,
-            types=types,
-            safe=set(known.filter(replay_safe=True).values_list("name", flat=True)),
-            owners=dict(known.values_list("name", "owner")),
+        selection = self._selection(
+            ids,
             described=described,
             matched=matched,
-            states=Counter(rows.values_list("state", flat=True)),
+            states=Counter(Delivery.objects.filter(id__in=ids).values_list("state", flat=True)),
             carried={"shown_at": (shown_at or timezone.now()).isoformat()},
         )
         if not ids:
