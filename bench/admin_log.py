@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import outbound  # the bench directory is not a package; database helpers live there
 
+# --db-name picks another (a checkout whose migrations differ needs its own database).
 DB_NAME = "webhooks_admin_bench"
 BASE_URL = "postgres://webhooks@127.0.0.1:5432/postgres"
 RESULT_FILE = outbound.RESULTS / "admin_log.json"
@@ -448,6 +449,45 @@ def generate(deliveries: int) -> dict:
     }
 
 
+# The overview's tallies (deliveries.models.AttemptMinute, EndpointHour) as the workers
+# write them, for the 24 hours before the measurement: every minute and every hour of
+# every endpoint, each outcome, from WRITERS recording connections. That is the most rows
+# a day of 500 endpoints and 4 workers can leave (17,280 minute rows; 150,000 hour rows,
+# the hour the window starts in included), whatever the traffic: a day of a million
+# deliveries leaves as many. Rewritten at every run, relative to its time, so the window
+# is always full.
+WRITERS = 4
+TALLY_OUTCOMES = ("success", "retry", "permanent")
+TALLIES_SQL = f"""
+DELETE FROM deliveries_attemptminute;
+DELETE FROM deliveries_endpointhour;
+INSERT INTO deliveries_attemptminute (minute, outcome, writer, attempts)
+SELECT m, o, w, 1 + (hashint8extended(extract(epoch FROM m)::bigint * 7 + w, 3) & 255)
+FROM generate_series(date_trunc('minute', now()) - interval '1439 minutes',
+                     date_trunc('minute', now()), interval '1 minute') AS m,
+     unnest(ARRAY{list(TALLY_OUTCOMES)}) AS o, generate_series(1, {WRITERS}) AS w;
+INSERT INTO deliveries_endpointhour (hour, endpoint_id, outcome, writer, attempts, total_ms,
+    le_5ms, le_10ms, le_20ms, le_50ms, le_100ms, le_200ms, le_500ms, le_1000ms, le_2000ms,
+    le_5000ms, le_10000ms, le_30000ms, slower)
+SELECT h, e.id, o, w, 100, 100 * 80.0, 5, 10, 20, 20, 15, 10, 8, 5, 3, 2, 1, 1, 0
+FROM generate_series(date_trunc('hour', now()) - interval '24 hours',
+                     date_trunc('hour', now()), interval '1 hour') AS h,
+     deliveries_endpoint e, unnest(ARRAY{list(TALLY_OUTCOMES)}) AS o,
+     generate_series(1, {WRITERS}) AS w;
+ANALYZE deliveries_attemptminute, deliveries_endpointhour;
+"""
+
+
+def write_tallies() -> dict:
+    for statement in TALLIES_SQL.split(";"):
+        if statement.strip():
+            outbound.sql(statement)
+    return {
+        "attempt_minute_rows": outbound.sql("SELECT count(*) FROM deliveries_attemptminute")[0][0],
+        "endpoint_hour_rows": outbound.sql("SELECT count(*) FROM deliveries_endpointhour")[0][0],
+    }
+
+
 def describe_data() -> dict:
     """Row counts and sizes: what the figures were measured on."""
     states = dict(
@@ -584,7 +624,20 @@ def pages(s: dict) -> list[tuple[str, str]]:
         ("detail: succeeded, 1 attempt", f"{log}{s['succeeded']}/change/"),
         ("dead letters", log + "dead-letters/"),
         ("endpoint list", "/admin/deliveries/endpoint/"),
+        ("overview", "/admin/"),
+        (
+            f"replay matching: largest dead group's endpoint, dead ({dg_n}+)",
+            log + "replay-matching/" + _q(state__exact="dead", endpoint=dg_endpoint),
+        ),
     ]
+
+
+# Pages with a budget of their own (the overview's is 500 ms); the others have --budget-ms.
+BUDGETS_MS = {"overview": 500.0}
+
+
+def budget_of(page: dict, default: float) -> float:
+    return BUDGETS_MS.get(page["name"], default)
 
 
 def _get(client, path: str):
@@ -699,6 +752,12 @@ def summary(result: dict) -> str:
     )
 
 
+def is_list(path: str) -> bool:
+    """Whether a page is a list, whose rows the table counts."""
+    page = path.split("?")[0]
+    return page in ("/admin/deliveries/delivery/", "/admin/deliveries/endpoint/")
+
+
 def markdown(result: dict) -> str:
     budget = result["budget_ms"]
     lines = [
@@ -707,21 +766,24 @@ def markdown(result: dict) -> str:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for p in result["pages"]:
-        over = p["median_ms"] > budget
+        over = p["median_ms"] > budget_of(p, budget)
         median = f"**{p['median_ms']:.1f}**" if over else f"{p['median_ms']:.1f}"
-        changelist = "/change/" not in p["path"] and "dead-letters" not in p["path"]
+        changelist = is_list(p["path"])
         rows = p["rows_on_page"] if changelist else "—"
         lines.append(
             f"| {p['name']} | {rows} | {median} | {p['min_ms']:.1f} | {p['max_ms']:.1f}"
             f" | {p['queries']}"
             f" | {p['sql_ms_median']:.1f} | {p['slowest_query_ms_median']:.1f}"
             f" | {p['python_cpu_ms_median']:.1f} | {p['others_cpu_share']:.0%}"
-            f" | {'**NO, over budget**' if over else 'yes'} |"
+            f" | {'**NO, over budget**' if over else 'yes'}"
+            + (f" (budget {budget_of(p, budget):.0f} ms)" if p["name"] in BUDGETS_MS else "")
+            + " |"
         )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
+    global DB_NAME
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--deliveries", type=int, default=1_000_000)
     parser.add_argument("--regenerate", action="store_true", help="throw the data away first")
@@ -730,7 +792,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--explain-all", action="store_true")
     parser.add_argument("--only", help="measure only pages whose name contains this")
     parser.add_argument("--json", type=Path, default=RESULT_FILE)
+    parser.add_argument("--db-name", default=DB_NAME, help=f"the database (default {DB_NAME})")
     args = parser.parse_args(argv)
+    DB_NAME = args.db_name
 
     url = outbound.with_db(BASE_URL, DB_NAME)
     env = {**os.environ, "DATABASE_URL": url, "LOG_LEVEL": "WARNING"}
@@ -754,6 +818,7 @@ def main(argv: list[str] | None = None) -> int:
         if age > timedelta(hours=12):
             print("  (the date filters are relative to today: consider --regenerate)")
     data.update(describe_data())
+    data["tallies"] = write_tallies()
 
     user, _ = get_user_model().objects.get_or_create(
         username="admin-bench", defaults={"is_staff": True, "is_superuser": True}
@@ -765,7 +830,7 @@ def main(argv: list[str] | None = None) -> int:
     named = [(n, p) for n, p in pages(subjects) if not args.only or args.only in n]
     measured = measure(client, named, args.runs)
     for page in measured:
-        if args.explain_all or page["median_ms"] > args.budget_ms:
+        if args.explain_all or page["median_ms"] > budget_of(page, args.budget_ms):
             page["explain"] = explain(page["slowest_query"])
 
     result = {
@@ -784,7 +849,7 @@ def main(argv: list[str] | None = None) -> int:
     print(summary(result))
     print()
     print(markdown(result))
-    over = [p for p in measured if p["median_ms"] > args.budget_ms]
+    over = [p for p in measured if p["median_ms"] > budget_of(p, args.budget_ms)]
     for p in over:
         print(f"\n### {p['name']}: median {p['median_ms']:.1f} ms\n\n{p['slowest_query']}\n")
         print(p["explain"])

@@ -561,6 +561,88 @@ class Attempt(models.Model):
             models.Index(fields=["endpoint", "started_at"], name="attempt_endpoint_started"),
         ]
 
+    def __str__(self) -> str:
+        return f"attempt {self.number}"
+
+
+# Upper bounds (milliseconds) of the latency buckets of EndpointHour; a last bucket
+# holds the slower ones. A percentile read from them is "at most <bound>".
+LATENCY_BOUNDS_MS = (5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 30_000)
+LATENCY_COLUMNS = (*(f"le_{bound}ms" for bound in LATENCY_BOUNDS_MS), "slower")
+
+
+class AttemptMinute(models.Model):
+    """Attempts counted by minute and outcome: the overview's chart of the last 24 hours,
+    read without touching the attempt rows (1,440 minutes, whatever the traffic).
+
+    Written by the worker's recording transaction, one statement per batch
+    (queries.TALLY_ATTEMPTS). ``writer`` is the recording connection (its PostgreSQL
+    backend pid): no two transactions ever add to one row at once, so recording workers
+    never wait for each other here. Readers sum over it."""
+
+    id = models.BigAutoField(primary_key=True)
+    minute = models.DateTimeField()
+    outcome = models.CharField(max_length=32)
+    writer = models.IntegerField()
+    attempts = models.PositiveIntegerField()
+
+    class Meta:
+        constraints = [
+            # The tally's upsert; and the overview's range of minutes (it leads).
+            models.UniqueConstraint(
+                fields=["minute", "outcome", "writer"], name="attemptminute_key"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.minute:%Y-%m-%d %H:%M} {self.outcome}: {self.attempts}"
+
+
+class EndpointHour(models.Model):
+    """Attempts counted by hour, endpoint and outcome, with their time and a latency
+    histogram (LATENCY_BOUNDS_MS): each endpoint's success rate and percentiles over the
+    last 24 hours, read from at most 24 rows per endpoint, outcome and writer. Written
+    with AttemptMinute, by the same statement and the same rule for ``writer``."""
+
+    id = models.BigAutoField(primary_key=True)
+    hour = models.DateTimeField()
+    endpoint = models.ForeignKey(
+        Endpoint, on_delete=models.CASCADE, related_name="+", db_constraint=False,
+        db_index=False,
+    )  # fmt: skip
+    outcome = models.CharField(max_length=32)
+    writer = models.IntegerField()
+    attempts = models.PositiveIntegerField()
+    total_ms = models.FloatField()
+    le_5ms = models.PositiveIntegerField(default=0)
+    le_10ms = models.PositiveIntegerField(default=0)
+    le_20ms = models.PositiveIntegerField(default=0)
+    le_50ms = models.PositiveIntegerField(default=0)
+    le_100ms = models.PositiveIntegerField(default=0)
+    le_200ms = models.PositiveIntegerField(default=0)
+    le_500ms = models.PositiveIntegerField(default=0)
+    le_1000ms = models.PositiveIntegerField(default=0)
+    le_2000ms = models.PositiveIntegerField(default=0)
+    le_5000ms = models.PositiveIntegerField(default=0)
+    le_10000ms = models.PositiveIntegerField(default=0)
+    le_30000ms = models.PositiveIntegerField(default=0)
+    slower = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            # The tally's upsert; and the overview's last 24 hours (it leads with hour).
+            models.UniqueConstraint(
+                fields=["hour", "endpoint", "outcome", "writer"], name="endpointhour_key"
+            ),
+        ]
+        indexes = [
+            # Deleting an endpoint deletes its rows (Django's cascade reads them by it).
+            models.Index(fields=["endpoint", "hour"], name="endpointhour_endpoint"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.hour:%Y-%m-%d %H}h {self.endpoint_id} {self.outcome}: {self.attempts}"
+
 
 def endpoint_timeout(timeout: float | None) -> float:
     """The request timeout of an endpoint whose ``timeout`` field holds ``timeout``."""

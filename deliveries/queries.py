@@ -11,8 +11,9 @@ lock at BEGIN, which serialises what the lock serialises.
 """
 
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
+from datetime import UTC
 
 from django.db.models import Count, F, Min, Q
 
@@ -20,11 +21,15 @@ from .jobs import outbox, wakeup
 from .jobs.ids import UUID7_SQL
 from .jobs.sql import Statement
 from .models import (
+    LATENCY_BOUNDS_MS,
+    LATENCY_COLUMNS,
     Attempt,
+    AttemptMinute,
     Delivery,
     DeliveryState,
     EgressAllowance,
     Endpoint,
+    EndpointHour,
     EndpointSecret,
     Event,
     Outcome,
@@ -518,6 +523,85 @@ def _(params):
     Attempt.objects.bulk_create([Attempt(**row) for row in rows])
 
 
+# The attempts of a batch added to the overview's tallies (models.AttemptMinute and
+# EndpointHour), in the recording transaction, one statement for the batch: a few rows
+# upserted, however many attempts. The writer is this connection (pg_backend_pid), so no
+# two transactions add to one row at once and recording workers never wait on each other
+# here; the rows are upserted in key order all the same. Params: {endpoints, outcomes,
+# started, durations}, one entry per attempt.
+_LATENCY_SQL = (
+    ",\n    ".join(
+        f"count(*) FILTER (WHERE duration_ms > {low} AND duration_ms <= {high})"
+        for low, high in zip((-1, *LATENCY_BOUNDS_MS[:-1]), LATENCY_BOUNDS_MS, strict=True)
+    )
+    + f",\n    count(*) FILTER (WHERE duration_ms > {LATENCY_BOUNDS_MS[-1]})"
+)
+TALLY_ATTEMPTS = Statement(
+    f"""
+WITH a AS (
+    SELECT * FROM unnest(%(endpoints)b::uuid[], %(outcomes)b::text[],
+        %(started)b::timestamptz[], %(durations)b::float8[])
+        AS a(endpoint_id, outcome, started_at, duration_ms)
+), minutes AS (
+    INSERT INTO deliveries_attemptminute (minute, outcome, writer, attempts)
+    SELECT date_trunc('minute', started_at, 'UTC'), outcome, pg_backend_pid(), count(*)
+    FROM a GROUP BY 1, 2 ORDER BY 1, 2
+    ON CONFLICT (minute, outcome, writer)
+    DO UPDATE SET attempts = deliveries_attemptminute.attempts + excluded.attempts
+)
+INSERT INTO deliveries_endpointhour (hour, endpoint_id, outcome, writer, attempts, total_ms,
+    {", ".join(LATENCY_COLUMNS)})
+SELECT date_trunc('hour', started_at, 'UTC'), endpoint_id, outcome, pg_backend_pid(),
+    count(*), sum(duration_ms),
+    {_LATENCY_SQL}
+FROM a GROUP BY 1, 2, 3 ORDER BY 1, 2, 3
+ON CONFLICT (hour, endpoint_id, outcome, writer) DO UPDATE SET
+    attempts = deliveries_endpointhour.attempts + excluded.attempts,
+    total_ms = deliveries_endpointhour.total_ms + excluded.total_ms,
+    {", ".join(f"{c} = deliveries_endpointhour.{c} + excluded.{c}" for c in LATENCY_COLUMNS)}
+""",
+    returns="nothing",
+)
+
+
+def latency_column(duration_ms: float) -> str:
+    """The EndpointHour column that counts an attempt of ``duration_ms``."""
+    for bound, column in zip(LATENCY_BOUNDS_MS, LATENCY_COLUMNS, strict=False):
+        if duration_ms <= bound:
+            return column
+    return LATENCY_COLUMNS[-1]
+
+
+@TALLY_ATTEMPTS.elsewhere
+def _(params):
+    # SQLite: one writer at a time (IMMEDIATE transactions); the writer is 0.
+    minutes: Counter = Counter()
+    hours: dict[tuple, Counter] = defaultdict(Counter)
+    for endpoint_id, outcome, started, duration in zip(
+        params["endpoints"], params["outcomes"], params["started"], params["durations"],
+        strict=True,
+    ):  # fmt: skip
+        utc = started.astimezone(UTC)
+        minutes[(utc.replace(second=0, microsecond=0), outcome)] += 1
+        hour = hours[(utc.replace(minute=0, second=0, microsecond=0), endpoint_id, outcome)]
+        hour["attempts"] += 1
+        hour["total_ms"] += duration
+        hour[latency_column(duration)] += 1
+    for (minute, outcome), n in sorted(minutes.items()):
+        updated = AttemptMinute.objects.filter(minute=minute, outcome=outcome, writer=0).update(
+            attempts=F("attempts") + n
+        )
+        if not updated:
+            AttemptMinute.objects.create(minute=minute, outcome=outcome, writer=0, attempts=n)
+    for (hour, endpoint_id, outcome), counts in sorted(hours.items(), key=lambda i: str(i[0])):
+        key = {"hour": hour, "endpoint_id": endpoint_id, "outcome": outcome, "writer": 0}
+        updated = EndpointHour.objects.filter(**key).update(
+            **{c: F(c) + n for c, n in counts.items()}
+        )
+        if not updated:
+            EndpointHour.objects.create(**key, **counts)
+
+
 # --- Publishing -----------------------------------------------------------------------
 
 # The event and one pending delivery per subscribed, enabled endpoint, in one statement
@@ -690,6 +774,27 @@ FROM p WHERE p.priority IS NOT NULL
 @OLDEST_DUE.elsewhere
 def _(params):
     return (Delivery.objects.filter(state=PENDING).aggregate(m=Min("next_attempt_at"))["m"],)
+
+
+# The event types published, by a skip scan of the event table's type index: one index
+# probe per type, however many events (the admin's event-type filter at millions of
+# rows). Params: {most}; rows (event type,), at most ``most``, in name order.
+EVENT_TYPES_SEEN = Statement("""
+WITH RECURSIVE types AS (
+    (SELECT event_type, 1 AS n FROM deliveries_event ORDER BY event_type LIMIT 1)
+    UNION ALL
+    SELECT (SELECT e.event_type FROM deliveries_event e WHERE e.event_type > t.event_type
+            ORDER BY e.event_type LIMIT 1), t.n + 1
+    FROM types t WHERE t.event_type IS NOT NULL AND t.n < %(most)s
+)
+SELECT event_type FROM types WHERE event_type IS NOT NULL
+""")
+
+
+@EVENT_TYPES_SEEN.elsewhere
+def _(params):
+    seen = Event.objects.order_by("event_type").values_list("event_type", flat=True).distinct()
+    return [(t,) for t in seen[: params["most"]]]
 
 
 # --- Shared counters ------------------------------------------------------------------

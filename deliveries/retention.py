@@ -32,7 +32,15 @@ from deliveries.conf import settings
 from deliveries.prometheus import PRUNED_ROWS
 
 from .jobs.models import LoopRun, Outbox
-from .models import Delivery, DeliveryState, Event, OperationalEvent, PortalLink
+from .models import (
+    AttemptMinute,
+    Delivery,
+    DeliveryState,
+    EndpointHour,
+    Event,
+    OperationalEvent,
+    PortalLink,
+)
 
 logger = logging.getLogger("deliveries.retention")
 
@@ -105,6 +113,16 @@ def _operational_events(now: datetime) -> list[QuerySet]:
     return [OperationalEvent.objects.filter(resolved_at__lt=cutoff).order_by("first_seen_at")]
 
 
+def _tallies(now: datetime) -> list[QuerySet]:
+    # By the tallies' keys, which lead with the minute and the hour. The overview reads
+    # the last 24 hours; a month is kept for a look back.
+    cutoff = now - days(settings.RETENTION_OPERATIONS_DAYS)
+    return [
+        AttemptMinute.objects.filter(minute__lt=cutoff).order_by("minute"),
+        EndpointHour.objects.filter(hour__lt=cutoff).order_by("hour"),
+    ]
+
+
 register(Pruner("deliveries", _deliveries))
 register(Pruner("outbox", _outbox))
 register(Pruner("events", _events))
@@ -117,6 +135,7 @@ def _portal_links(now: datetime) -> list[QuerySet]:
 
 
 register(Pruner("operational_events", _operational_events))
+register(Pruner("tallies", _tallies))
 register(Pruner("portal_links", _portal_links))
 
 

@@ -15,7 +15,7 @@ from . import queries
 from .egress import EgressPolicy, IPNetwork
 from .jobs.models import LoopRun, Outbox
 from .jobs.outbox import message_key
-from .models import Delivery, DeliveryState, Endpoint, Tenant
+from .models import Delivery, DeliveryState, Endpoint, Outcome, Tenant
 from .queries import DELIVERY_KIND
 
 logger = logging.getLogger("deliveries.selectors")
@@ -59,6 +59,114 @@ def _paused_since(delivery: Delivery) -> str:
     return f"at {_t(endpoint.paused_at)} UTC{why}"
 
 
+# What each classified outcome means, as the console and the explanations say it:
+# (a short label for a column, what happened in a sentence). deliveries.policy.classify
+# is the table that decides them (docs/retry-policy.md).
+OUTCOMES: dict[str, tuple[str, str]] = {
+    Outcome.SUCCESS: ("delivered", "the receiver answered 2xx"),
+    Outcome.RETRY: (
+        "failed, retried",
+        "a failure worth retrying (a 5xx, 408, 425 or 429 answer, a timeout or no connection)",
+    ),
+    Outcome.PERMANENT: ("refused", "the receiver refused it, and that is not retried"),
+    Outcome.ENDPOINT_GONE: (
+        "endpoint gone",
+        "the receiver answered 410 Gone, which stops deliveries: its endpoint was disabled",
+    ),
+    Outcome.BLOCKED: (
+        "blocked by the egress guard",
+        "the endpoint's address is one the egress guard refuses, so nothing was sent",
+    ),
+    Outcome.ENDPOINT_DISABLED: (
+        "endpoint disabled",
+        "its endpoint was disabled before it was sent, so nothing was sent",
+    ),
+    Outcome.CANCELLED: ("cancelled", "an operator cancelled it before it was sent"),
+    Outcome.LEASE_EXPIRED: (
+        "worker lost",
+        "the worker sending it stopped (its lease ran out); it may have reached the receiver",
+    ),
+    Outcome.TRANSPORT_LOST: (
+        "lost in transport",
+        "the queue lost its message, so the scheduler dispatched it again",
+    ),
+}
+
+# Why an attempt got no HTTP answer (deliveries.egress.ErrorKind).
+ERROR_KINDS: dict[str, str] = {
+    "blocked": "address refused by the egress guard",
+    "dns": "name not found",
+    "connect": "could not connect",
+    "timeout": "no answer in time",
+    "tls": "TLS failure",
+    "protocol": "broken HTTP answer",
+    "invalid_url": "invalid URL",
+}
+
+
+def outcome_label(outcome: str) -> str:
+    """A column's word for an outcome code: ``endpoint_gone`` is "endpoint gone (410)"."""
+    return OUTCOMES[outcome][0] if outcome in OUTCOMES else (outcome or "—")
+
+
+def outcome_sentence(outcome: str) -> str:
+    return OUTCOMES[outcome][1] if outcome in OUTCOMES else outcome
+
+
+def answer_of(status: int | None, error: str = "", error_kind: str = "") -> str:
+    """What an attempt got: ``HTTP 503``, ``no answer in time (timeout: ...)``, ``no
+    answer``."""
+    if status:
+        return f"HTTP {status}"
+    if error_kind and error_kind in ERROR_KINDS:
+        return ERROR_KINDS[error_kind] + (f" ({error})" if error else "")
+    return error or "no answer"
+
+
+def last_result(delivery: Delivery) -> str:
+    """The last attempt's result in a few words, for the delivery log: ``HTTP 503, failed,
+    retried``; "" before the first attempt."""
+    d = delivery
+    if not d.last_outcome:
+        return ""
+    label = outcome_label(d.last_outcome)
+    if d.last_outcome == Outcome.SUCCESS:
+        return f"{label} (HTTP {d.last_status_code})" if d.last_status_code else label
+    if d.last_outcome in (Outcome.RETRY, Outcome.PERMANENT, Outcome.ENDPOINT_GONE):
+        answer = answer_of(d.last_status_code, d.last_error)
+        if d.state == DeliveryState.DEAD and d.last_outcome == Outcome.RETRY:
+            return f"{answer}: retries used up"
+        return f"{answer}: {label}"
+    return label
+
+
+def dead_reason(delivery: Delivery) -> str:
+    """Why a dead delivery is dead, as a sentence (no codes)."""
+    d = delivery
+    answer = answer_of(d.last_status_code, d.last_error)
+    attempts = f"{d.attempt_count} attempt" + ("s" if d.attempt_count != 1 else "")
+    if d.last_outcome == Outcome.RETRY:
+        return (
+            f"It failed on every try the retry schedule allows ({attempts}); the last got {answer}."
+        )
+    if d.last_outcome == Outcome.PERMANENT:
+        if d.last_status_code and 300 <= d.last_status_code < 400:
+            return f"The receiver answered with a redirect ({answer}), which is never followed."
+        return f"The receiver refused it with {answer}, which is not retried."
+    if d.last_outcome == Outcome.LEASE_EXPIRED:
+        return (
+            f"Its worker stopped during the last attempt allowed ({attempts}); the request "
+            "may have reached the receiver."
+        )
+    if d.last_outcome == Outcome.BLOCKED:
+        return "The egress guard refused the endpoint's address" + (
+            f" ({d.last_error})." if d.last_error else "."
+        )
+    if d.last_outcome in OUTCOMES:
+        return outcome_sentence(d.last_outcome).capitalize() + "."
+    return f"It ended without a recorded reason after {attempts}."
+
+
 def _loop_alive(kind: str, now: datetime) -> bool:
     return LoopRun.objects.filter(
         kind=kind, finished_at__isnull=True, heartbeat_at__gte=now - loop_stale_after()
@@ -69,12 +177,12 @@ def delivery_explain(delivery: Delivery, *, now: datetime | None = None) -> Expl
     now = now or timezone.now()
     d = delivery
     last = ""
-    if d.last_outcome:
-        last = f" after {d.last_outcome}"
-        if d.last_status_code:
-            last += f" (HTTP {d.last_status_code})"
-        elif d.last_error:
-            last += f" ({d.last_error})"
+    if d.last_outcome and d.last_outcome != Outcome.SUCCESS:
+        # "after HTTP 503 (failed, retried)", "after no answer in time (failed, retried)"
+        answer = answer_of(d.last_status_code, d.last_error)
+        last = f" after {answer} ({outcome_label(d.last_outcome)})"
+        if d.last_outcome in (Outcome.LEASE_EXPIRED, Outcome.TRANSPORT_LOST):
+            last = f" after its last try was {outcome_label(d.last_outcome)}"
     details = [
         f"webhook-id: {d.id}",
         f"attempts: {d.attempt_count} (counted against the schedule: {d.policy_attempts})",
@@ -184,10 +292,8 @@ def delivery_explain(delivery: Delivery, *, now: datetime | None = None) -> Expl
         )
     return Explanation(
         "dead",
-        f"Dead since {_t(d.finished_at)} UTC: {d.last_outcome or 'unknown'}"
-        + (f" — {d.last_error}" if d.last_error else "")
-        + (f" (HTTP {d.last_status_code})" if d.last_status_code else "")
-        + ". Replay sends it again with the same webhook-id.",
+        f"Dead since {_t(d.finished_at)} UTC. {dead_reason(d)} Replay sends it again with "
+        "the same webhook-id.",
         details,
     )
 

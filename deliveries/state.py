@@ -407,8 +407,17 @@ def _attempt_row(r: AttemptResult, held: set) -> tuple:
 
 
 def _append_attempts(results: Sequence[AttemptResult], held: set) -> None:
-    """The attempt rows, in one statement (COPY on PostgreSQL)."""
+    """The attempt rows, in one statement (COPY on PostgreSQL), and the overview's tallies
+    of them in another (queries.TALLY_ATTEMPTS)."""
     queries.APPEND_ATTEMPTS([_attempt_row(r, held) for r in results])
+    queries.TALLY_ATTEMPTS(
+        {
+            "endpoints": [r.leased.endpoint_id for r in results],
+            "outcomes": [str(r.classification.outcome) for r in results],
+            "started": [r.started_at for r in results],
+            "durations": [r.duration_ms for r in results],
+        }
+    )
 
 
 def _update_endpoint_health(*, now: datetime, failed: set, gone: set) -> list[uuid.UUID]:

@@ -3,11 +3,19 @@
 
 from django import forms
 from django.contrib import admin, messages
+from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
 from deliveries.admin import CappedCountPaginator, ReadOnlyAdmin, state_badge
+from deliveries.jobs.console import AuditedEdits, ConsoleAdmin
 
 from . import mail, processing
+from .backfill import (
+    BackfillError,
+    backfill_options_check,
+    backfill_run_create,
+    backfill_run_start,
+)
 from .models import (
     BackfillRun,
     HandlerRun,
@@ -17,11 +25,12 @@ from .models import (
     Source,
     VerificationFailure,
 )
-from .selectors import backfill_progress
+from .poll_sources import poll_source_create, poll_source_poll_now
+from .selectors import backfill_progress, body_shown, headers_shown
 
 
 @admin.register(Source)
-class SourceAdmin(admin.ModelAdmin):
+class SourceAdmin(AuditedEdits, ConsoleAdmin, admin.ModelAdmin):
     list_display = ["slug", "scheme", "enabled", "replay_tolerance", "max_body_bytes", "rate_limit"]
     list_filter = ["scheme", "enabled"]
     search_fields = ["slug"]
@@ -34,11 +43,13 @@ class SourceAdmin(admin.ModelAdmin):
         "max_body_bytes",
         "content_types",
         "rate_limit",
+        "redact_keys",
     ]
 
 
-class HandlerRunInline(admin.TabularInline):
+class HandlerRunInline(ConsoleAdmin, admin.TabularInline):
     model = HandlerRun
+    classes = ["console-timeline"]
     fields = ["attempt", "handler", "started_at", "duration_ms", "outcome", "error"]
     readonly_fields = fields
     extra = 0
@@ -63,11 +74,48 @@ class InboundEventAdmin(ReadOnlyAdmin):
     list_filter = ["state", "source"]
     search_fields = ["=event_id", "=entity_id"]
     show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER
     paginator = CappedCountPaginator
     ordering = ["-received_at"]
     inlines = [HandlerRunInline]
     actions = ["reprocess"]
-    exclude = ["body"]
+    fields = [
+        "id",
+        "source",
+        "event_id",
+        "event_type",
+        "entity_id",
+        "state",
+        "occurred_at",
+        "received_at",
+        "duplicates",
+        "last_duplicate_at",
+        "attempt_count",
+        "next_attempt_at",
+        "processed_at",
+        "last_error",
+        "headers_received",
+        "body_received",
+    ]
+    readonly_fields = fields
+
+    @admin.display(description="headers")
+    def headers_received(self, event):
+        """As stored (signatures and credentials never are), the redacted names masked."""
+        shown = headers_shown(event, event.source)
+        if not shown:
+            return "none stored"
+        return format_html_join("", "<div><code>{}: {}</code></div>", shown.items())
+
+    @admin.display(description="body")
+    def body_received(self, event):
+        """As received, the source's redacted keys masked (ingest.selectors.body_shown)."""
+        shown = body_shown(event, event.source)
+        if not shown.text:
+            return shown.note
+        return format_html(
+            '<div class="quiet">{}</div><pre class="body">{}</pre>', shown.note, shown.text
+        )
 
     @admin.action(description="Process again (audited)", permissions=["change"])
     def reprocess(self, request, queryset):
@@ -220,9 +268,41 @@ class PollSourceForm(forms.ModelForm):
         return self.cleaned_data["config"]
 
 
+class PollSourceAddForm(PollSourceForm):
+    """A new poll source: its slug (its inbound source's, made with it) and whether to
+    poll it on a schedule; saved by ingest.poll_sources.poll_source_create."""
+
+    slug = forms.SlugField(max_length=100, help_text="Its inbound source's name, in URLs.")
+    schedule = forms.BooleanField(
+        required=False,
+        initial=True,
+        help_text="Poll it every few minutes (a django-q2 schedule); off, only when asked.",
+    )
+
+    class Meta(PollSourceForm.Meta):
+        fields = ["slug", "tenant", "config", "auth_secret", "every_minutes", "schedule"]
+
+    def clean_slug(self):
+        slug = self.cleaned_data["slug"]
+        if Source.objects.filter(slug=slug).exists():
+            raise forms.ValidationError("A source with this slug exists already.")
+        return slug
+
+
+def _copy_saved(into, saved) -> None:
+    """The row a service saved, into the object the admin holds (for its log and
+    redirect): the admin's own form built that object but did not save it."""
+    for field in saved._meta.concrete_fields:
+        setattr(into, field.attname, getattr(saved, field.attname))
+    into._state.adding = False
+    into._state.db = saved._state.db
+
+
 @admin.register(PollSource)
-class PollSourceAdmin(admin.ModelAdmin):
+class PollSourceAdmin(AuditedEdits, ConsoleAdmin, admin.ModelAdmin):
     form = PollSourceForm
+    add_form = PollSourceAddForm
+    actions = ["poll_now"]
     list_display = ["__str__", "tenant", "enabled", "every_minutes", "cursor_at", "last_poll_at"]
     list_filter = ["enabled"]
     readonly_fields = [
@@ -233,10 +313,44 @@ class PollSourceAdmin(admin.ModelAdmin):
         "auth_secret_set",
     ]
 
-    def has_add_permission(self, request):
-        return False  # created with its inbound source by ingest.poll_sources.poll_source_create
+    def get_form(self, request, obj=None, **kwargs):
+        if obj is None:
+            kwargs["form"] = self.add_form
+        return super().get_form(request, obj, **kwargs)
+
+    def get_readonly_fields(self, request, obj=None):
+        return super().get_readonly_fields(request, obj) if obj is not None else []
+
+    def save_model(self, request, obj, form, change):
+        if change:
+            return super().save_model(request, obj, form, change)
+        data = form.cleaned_data
+        poll = poll_source_create(
+            slug=data["slug"],
+            config=data["config"],
+            auth_secret=data.get("auth_secret") or "",
+            tenant=data.get("tenant"),
+            every_minutes=data["every_minutes"],
+            schedule=data.get("schedule", False),
+        )
+        _copy_saved(obj, poll)
+
+    def has_poll_permission(self, request):
+        return request.user.has_perm("ingest.poll_pollsource")
+
+    @admin.action(description="Poll now (run_jobs polls it)", permissions=["poll"])
+    def poll_now(self, request, queryset):
+        for poll in queryset.select_related("source"):
+            poll_source_poll_now(poll=poll, actor=request.user)
+        self.message_user(
+            request,
+            f"{queryset.count()} polls queued: run_jobs runs them in the background.",
+            messages.SUCCESS,
+        )
 
     def get_fields(self, request, obj=None):
+        if obj is None:
+            return list(self.add_form.Meta.fields)
         fields = super().get_fields(request, obj)  # the form's, then auth_secret_set
         if self.has_change_permission(request, obj):
             return fields
@@ -255,8 +369,41 @@ def _eta(seconds):
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
+class BackfillRunAddForm(forms.ModelForm):
+    """A new backfill of a poll source's window; saved by backfill_run_create, started by
+    backfill_run_start (a background job: the request never runs it)."""
+
+    until = forms.DateTimeField(required=False, help_text="Exclusive; empty: now.")
+    page_size = forms.IntegerField(
+        required=False, min_value=1, max_value=100_000, help_text="Empty: the source's own."
+    )
+    start_now = forms.BooleanField(
+        required=False, initial=True, help_text="Start it at once (run_jobs runs it)."
+    )
+
+    class Meta:
+        model = BackfillRun
+        fields = ["source", "since", "until", "rate", "page_size"]
+
+    def clean(self):
+        data = super().clean()
+        if data.get("since") and data.get("rate") is not None:
+            try:
+                backfill_options_check(
+                    since=data["since"],
+                    until=data.get("until") or timezone.now(),
+                    rate=data["rate"],
+                    page_size=data.get("page_size"),
+                )
+            except BackfillError as exc:
+                raise forms.ValidationError(str(exc).replace("--", "")) from exc
+        return data
+
+
 @admin.register(BackfillRun)
 class BackfillRunAdmin(ReadOnlyAdmin):
+    add_form = BackfillRunAddForm
+    actions = ["start"]
     list_display = [
         "id",
         "source",
@@ -301,6 +448,66 @@ class BackfillRunAdmin(ReadOnlyAdmin):
 
     def has_view_permission(self, request, obj=None):
         return request.user.is_staff and super().has_view_permission(request, obj)
+
+    def has_add_permission(self, request):
+        return request.user.has_perm("ingest.add_backfillrun")
+
+    def has_start_permission(self, request):
+        return request.user.has_perm("ingest.start_backfillrun")
+
+    def get_form(self, request, obj=None, **kwargs):
+        if obj is None:
+            kwargs["form"] = self.add_form
+            kwargs["fields"] = [*self.add_form.Meta.fields, "start_now"]
+        return super().get_form(request, obj, **kwargs)
+
+    def get_readonly_fields(self, request, obj=None):
+        return super().get_readonly_fields(request, obj) if obj is not None else []
+
+    def get_fields(self, request, obj=None):
+        if obj is None:
+            return [*self.add_form.Meta.fields, "start_now"]
+        return super().get_fields(request, obj)
+
+    def save_model(self, request, obj, form, change):
+        data = form.cleaned_data
+        run = backfill_run_create(
+            slug=data["source"].source.slug,
+            since=data["since"],
+            until=data.get("until"),
+            rate=data["rate"],
+            page_size=data.get("page_size"),
+            started_by=f"{request.user.get_username()} (console)",
+        )
+        _copy_saved(obj, run)
+        if data.get("start_now"):
+            if self.has_start_permission(request):
+                backfill_run_start(run_id=run.id, actor=request.user)
+            else:
+                self.message_user(
+                    request,
+                    "Created, not started: starting needs its own permission.",
+                    messages.WARNING,
+                )
+
+    @admin.action(
+        description="Start or resume selected runs (run_jobs runs them)", permissions=["start"]
+    )
+    def start(self, request, queryset):
+        started, refused = 0, []
+        for run in queryset:
+            try:
+                backfill_run_start(run_id=run.id, actor=request.user)
+                started += 1
+            except BackfillError as exc:
+                refused.append(str(exc))
+        self.message_user(
+            request,
+            f"{started} backfills queued: run_jobs runs them in the background.",
+            messages.SUCCESS,
+        )
+        for reason in refused:
+            self.message_user(request, reason, messages.WARNING)
 
     @admin.display(description="progress")
     def progress(self, run):

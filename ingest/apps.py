@@ -17,21 +17,24 @@ class IngestConfig(AppConfig):
     def ready(self) -> None:
         from django.db.models.signals import post_delete, post_save
 
-        from deliveries import alerts, retention
+        from deliveries import alerts, overview, retention
         from deliveries.jobs import kinds
         from deliveries.prometheus import register_provider
 
+        from . import jobs  # noqa: F401  (registers the console's poll and backfill jobs)
         from .alerts import verification_failure_check
         from .metrics import inbound_gauges, polling_gauges
         from .models import Source, SourceSecret
         from .processing import inbound_process, inbound_schedule
         from .queries import KIND
         from .retention import inbound_pruner
+        from .selectors import inbound_overview
         from .sources import forget_sources
 
         kinds.register(kinds.JobKind(KIND, process=inbound_process, schedule=inbound_schedule))
         register_provider("inbound", inbound_gauges)
         register_provider("polling", polling_gauges)
+        overview.register_panel("inbound", inbound_overview)
         alerts.register_check("verification_failures", verification_failure_check)
         retention.register(inbound_pruner)
         for model in (Source, SourceSecret):

@@ -65,15 +65,8 @@ def backfill_run_create(
     poll = _poll_source(slug)
     now = timezone.now()
     until = until or now
-    if not since < until:
-        raise BackfillError(
-            f"--since ({since.isoformat()}) must be before --until ({until.isoformat()})"
-        )
-    if not rate > 0:
-        raise BackfillError("--rate must be positive")
     page_size = page_size or adapter_for(poll).config["page_size"]
-    if not 1 <= page_size <= 100_000:
-        raise BackfillError("--page-size must be from 1 to 100000")
+    backfill_options_check(since=since, until=until, rate=rate, page_size=page_size)
     return BackfillRun.objects.create(
         source=poll,
         since=since,
@@ -83,6 +76,54 @@ def backfill_run_create(
         started_by=started_by or who(),
         created_at=now,
     )
+
+
+def backfill_options_check(
+    *, since: datetime, until: datetime, rate: float, page_size: int | None
+) -> None:
+    """The rules a backfill's window and pace obey (the command's, the console's)."""
+    if not since < until:
+        raise BackfillError(
+            f"--since ({since.isoformat()}) must be before --until ({until.isoformat()})"
+        )
+    if not rate > 0:
+        raise BackfillError("--rate must be positive")
+    if page_size is not None and not 1 <= page_size <= 100_000:
+        raise BackfillError("--page-size must be from 1 to 100000")
+
+
+def backfill_run_start(*, run_id, actor=None):
+    """Start (or resume) a run from the console: enqueue the ``ingest.backfill`` job
+    (ingest/jobs.py) that ``run_jobs`` runs, audited in the same transaction; nothing
+    runs in the caller's request. Starting a run again before it moved (the same
+    heartbeat and resume count) gives back the job already enqueued. Returns the job."""
+    from deliveries.jobs.background import enqueue
+    from deliveries.services import audit
+
+    with transaction.atomic():
+        run = (
+            BackfillRun.objects.select_related("source")
+            .select_for_update(of=("self",))
+            .get(id=run_id)
+        )
+        if run.state == BackfillState.COMPLETED:
+            raise BackfillError(f"backfill {run.id} is already completed")
+        moved = run.heartbeat_at.isoformat() if run.heartbeat_at else "never"
+        job = enqueue(
+            "ingest.backfill",
+            {"run_id": str(run.id)},
+            idempotency_key=f"backfill:{run.id}:{moved}:{run.resumes}",
+            tenant=run.source.tenant_id,
+        )
+        audit(
+            actor=actor,
+            action="backfill.start",
+            target="backfill_run",
+            count=1,
+            run=str(run.id),
+            job=str(job.id),
+        )
+    return job
 
 
 def _poll_source(slug: str) -> PollSource:
@@ -129,13 +170,20 @@ class _Paced(PollAdapter):
 
 @dataclass
 class Segment:
-    """This process's share of a run, for the progress bar and the summary."""
+    """This process's share of a run, for the progress bar and the summary. The run's
+    figures from before it started are kept apart (``*_before``): the progress is those
+    plus ``counts``, whatever the run row says meanwhile (it is reloaded at the end,
+    already holding this segment's counts)."""
 
     run: BackfillRun
     started: float  # time.monotonic()
     counts: Counter
     active_before: float
     checkpoint: datetime | None = None
+    processed_before: int = 0
+    requests_before: int = 0
+    # Records in the window if the provider says: the run's, or the first page's.
+    total: int | None = None
 
     @property
     def elapsed(self) -> float:
@@ -169,7 +217,16 @@ def backfill_run_execute(
         finished_at=None,
     )
     run.refresh_from_db()
-    segment = Segment(run, time.monotonic(), Counter(), run.active_seconds, run.checkpoint_at)
+    segment = Segment(
+        run,
+        time.monotonic(),
+        Counter(),
+        run.active_seconds,
+        run.checkpoint_at,
+        processed_before=run.processed,
+        requests_before=run.requests,
+        total=run.total,
+    )
     adapter = _Paced(adapter_for(run.source), TokenBucket(run.rate), segment.counts)
     cursor = Cursor(run.checkpoint_at or run.since, frozenset(run.checkpoint_ids))
     logger.info(
@@ -207,7 +264,7 @@ def backfill_run_execute(
                     "heartbeat_at": timezone.now(),
                 }
                 if page.page.total is not None and run.total is None and not run.checkpoint_at:
-                    fields["total"] = page.page.total
+                    fields["total"] = segment.total = page.page.total
                 BackfillRun.objects.filter(id=run.id).update(**fields)
             requests_recorded += requests
             segment.checkpoint = page.cursor.at

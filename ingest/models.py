@@ -4,7 +4,7 @@ verification failures and handler runs."""
 import uuid
 
 from django.db import models
-from django.db.models import Q
+from django.db.models import Q, Value
 
 from deliveries import encryption
 from deliveries.jobs.ids import uuid7
@@ -27,6 +27,16 @@ class Source(models.Model):
     content_types = models.JSONField(default=list, blank=True)
     # Requests per second accepted from this source (null: no limit); past it, 429.
     rate_limit = models.FloatField(null=True, blank=True)
+    # Keys (in a JSON or form body, at any depth; headers by name) whose values the
+    # console masks when it shows an event, on top of its own list (ingest.selectors.
+    # REDACTED_KEYS). What is stored, and what handlers get, is the body as received.
+    # db_default: an older release still inserts sources.
+    redact_keys = models.JSONField(
+        default=list,
+        db_default=Value([], output_field=models.JSONField()),
+        blank=True,
+        help_text='Field names to mask when the console shows a body, e.g. ["email", "iban"].',
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:
@@ -309,6 +319,9 @@ class PollSource(models.Model):
     last_error = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
+    class Meta:
+        permissions = [("poll_pollsource", "Can poll a source now from the console")]
+
     def __str__(self) -> str:
         return self.source.slug
 
@@ -374,6 +387,10 @@ class BackfillRun(models.Model):
         indexes = [
             # The admin's and the API's newest-first lists.
             models.Index(fields=["-created_at"], name="backfill_created"),
+        ]
+        permissions = [
+            # Starting runs a program against the provider for hours: more than a row.
+            ("start_backfillrun", "Can start and resume a backfill from the console"),
         ]
 
     def __str__(self) -> str:

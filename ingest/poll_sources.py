@@ -70,6 +70,26 @@ def poll_schedule_ensure(poll: PollSource):
     return schedule
 
 
+def poll_source_poll_now(*, poll: PollSource, actor=None):
+    """Poll a source at once from the console: enqueue the ``ingest.poll`` job
+    (ingest/jobs.py) that ``run_jobs`` runs, audited in the same transaction. Returns the
+    job."""
+    from deliveries.jobs.background import enqueue
+    from deliveries.services import audit
+
+    with transaction.atomic():
+        job = enqueue("ingest.poll", {"slug": poll.source.slug}, tenant=poll.tenant_id)
+        audit(
+            actor=actor,
+            action="poll_source.poll_now",
+            target="poll_source",
+            count=1,
+            source=poll.source.slug,
+            job=str(job.id),
+        )
+    return job
+
+
 @dataclass
 class PollResult:
     slug: str

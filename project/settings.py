@@ -39,6 +39,9 @@ INSTALLED_APPS = [
     # `manage.py spectacular`, which `make test` runs to validate the API's schema. This
     # service has no DRF view of its own for drf-spectacular's deploy check to refuse.
     "drf_spectacular",
+    # The standalone service's own admin module (project/admin.py): its users' and
+    # groups' admins, audited. Last, so that it replaces Django's.
+    "project",
 ]
 # Django's Tasks API: `@task` functions run as background jobs (docs/jobs.md). Django 6.0
 # has it built in; before it, the django-tasks backport is an app of its own.

@@ -8,6 +8,7 @@ demo tenant, an endpoint and an admin login, then runs as child processes:
     scheduler  run_scheduler
     relay      run_relay
     workers    run_workers
+    jobs       run_jobs (background jobs: the polls and backfills started in the admin)
 
 and publishes an ``invoice.paid`` event every few seconds, so deliveries (and, now and
 then, a retry) show up in the receiver's output and in the admin. Ctrl-C stops it all.
@@ -231,6 +232,7 @@ def banner(web_port: int, receiver_url: str, seed: dict[str, str], publish_every
         "=" * 72,
         f"  Admin:       {web}/admin/   login {seed.get('Admin login', '?')}",
         f"  API:         {web}/api/v1/   Authorization: Bearer {seed.get('API key', '?')}",
+        f"  API docs:    {web}/api/docs/",
         f"  API schema:  {web}/api/schema/",
         f"  Health:      {web}/healthz   {web}/readyz",
         f"  Receiver:    {receiver_url}",
@@ -306,6 +308,7 @@ def main() -> int:
         children.start("scheduler", [*MANAGE, "run_scheduler"])
         children.start("relay", [*MANAGE, "run_relay"])
         children.start("workers", [*MANAGE, "run_workers"])
+        children.start("jobs", [*MANAGE, "run_jobs"])
 
         ready = wait_until_ready(
             children,

@@ -18,6 +18,7 @@ from django.utils.html import format_html
 from . import services
 from .background import JOB_TYPES
 from .confirm import Operation, Selection, confirm_operation
+from .console import AuditedEdits, ConsoleAdmin
 from .models import Job, JobRun, JobState, RecurringJob
 from .selectors import job_progress
 
@@ -93,9 +94,10 @@ class TenantFilter(admin.SimpleListFilter):
         return queryset.filter(**{self.field: value}) if value else queryset
 
 
-class ReadOnlyInline(admin.TabularInline):
+class ReadOnlyInline(ConsoleAdmin, admin.TabularInline):
     extra = 0
     can_delete = False
+    classes = ["console-timeline"]
 
     def has_add_permission(self, request, obj=None):
         return False
@@ -129,7 +131,7 @@ def _progress_text(job: Job) -> str:
 
 
 @admin.register(Job)
-class JobAdmin(admin.ModelAdmin):
+class JobAdmin(AuditedEdits, ConsoleAdmin, admin.ModelAdmin):
     list_display = [
         "id",
         "type",
@@ -308,8 +310,9 @@ class RecurringJobForm(forms.ModelForm):
 
 
 @admin.register(RecurringJob)
-class RecurringJobAdmin(admin.ModelAdmin):
+class RecurringJobAdmin(AuditedEdits, ConsoleAdmin, admin.ModelAdmin):
     form = RecurringJobForm
+    audited_by_services = True  # recurring_job_save, recurring_jobs_delete
     list_display = [
         "name",
         "job_type",

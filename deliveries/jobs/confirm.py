@@ -32,6 +32,13 @@ class Selection:
     types: Counter  # type name -> rows
     safe: set[str]
     owners: dict[str, str] = field(default_factory=dict)
+    # A selection made by a filter rather than by ticking rows: what the filter is (shown
+    # on the page), how many rows matched in all (more than ``ids`` when capped), the rows
+    # by state, and what the confirming form carries back instead of the ids.
+    described: list[tuple[str, str]] | None = None
+    matched: int | None = None
+    states: Counter | None = None
+    carried: dict[str, str] | None = None
 
 
 def confirm_operation(
@@ -73,8 +80,13 @@ def confirm_operation(
             for t, n in selection.types.most_common()
         ],
         "needs_extra": needs_extra,
-        "ids": selection.ids,
-        "action": f"{operation.name}_selected",
+        "ids": selection.ids if selection.carried is None else [],
+        "carried": sorted((selection.carried or {}).items()),
+        "described": selection.described,
+        "matched": selection.matched,
+        "capped": selection.matched is not None and selection.matched > count,
+        "states": sorted((selection.states or {}).items()),
+        "action": f"{operation.name}_selected" if selection.carried is None else "",
         "opts": model_admin.model._meta,
         "action_checkbox_name": admin.helpers.ACTION_CHECKBOX_NAME,
         "back": back,

@@ -107,6 +107,9 @@ class LoopRun(models.Model):
         db_table = "deliveries_looprun"
         indexes = [models.Index(fields=["kind", "-started_at"], name="looprun_kind_started")]
 
+    def __str__(self) -> str:
+        return f"{self.kind} on {self.host} (pid {self.pid})"
+
 
 class JobState(models.TextChoices):
     PENDING = "pending"
@@ -249,6 +252,9 @@ class JobRun(models.Model):
                 name="jobrun_outcome_valid",
             ),
         ]
+
+    def __str__(self) -> str:
+        return f"run {self.attempt}"
 
 
 class RecurringJob(models.Model):

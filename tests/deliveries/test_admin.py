@@ -137,6 +137,74 @@ def test_replay_from_the_delivery_page_is_audited(data):
     assert AuditEntry.objects.filter(action="delivery.replay", count=1).exists()
 
 
+def test_every_dead_delivery_of_an_endpoint_since_a_time_is_replayed_by_filter(data):
+    """From the filtered log, not a selection: the confirmation counts the matches and
+    lists their event types, and the replay-safe rule applies as for a selection."""
+    from datetime import timedelta
+
+    tenant, endpoint, _ = data
+    other, _ = services.endpoint_create(tenant=tenant, url="https://other.example.com/hook")
+    services.publish_event(
+        tenant=tenant, event_type="invoice.paid", payload={}, endpoint_ids=[other.id]
+    )
+    Delivery.objects.filter(endpoint=other).update(state="dead", finished_at=timezone.now())
+    # One of the endpoint's dead deliveries ended two days ago: outside "the last 24 hours".
+    old = Delivery.objects.filter(endpoint=endpoint, event__event_type="invoice.paid").first()
+    Delivery.objects.filter(id=old.id).update(finished_at=timezone.now() - timedelta(days=2))
+    url = reverse("admin:deliveries_delivery_replay_matching")
+    query = f"?state__exact=dead&endpoint={endpoint.id}&ended=24h"
+    client = staff("replay_delivery")
+
+    log = client.get(CHANGELIST + query)
+    assert f'href="{url}{query.replace("&", "&amp;")}"'.encode() in log.content
+    confirm = client.get(url + query)
+    assert confirm.status_code == 200
+    body = confirm.content.decode()
+    assert "Replay 2 deliveries?" in body
+    assert "endpoint: <strong>https://example.com/hook</strong>" in body
+    assert "ended: <strong>in the last 24 hours</strong>" in body
+    assert "By state: 2 dead." in body
+    assert "invoice.paid" in body and "user.created" in body and "unsafe_confirmed" in body
+
+    client.post(url + query, {"confirm": "yes", "shown_at": timezone.now().isoformat()})
+    assert Delivery.objects.filter(state="pending").count() == 0  # the extra box is missing
+    r = client.post(
+        url + query,
+        {"confirm": "yes", "unsafe_confirmed": "yes", "shown_at": timezone.now().isoformat()},
+    )
+    assert r.status_code == 302 and r["Location"] == CHANGELIST + query
+    replayed = set(Delivery.objects.filter(state="pending").values_list("id", flat=True))
+    assert len(replayed) == 2 and old.id not in replayed
+    assert Delivery.objects.filter(endpoint=other, state="dead").count() == 1
+    entry = AuditEntry.objects.get(action="delivery.replay")
+    assert (entry.count, entry.details["via"]) == (2, "admin, by filter")
+
+
+def test_replay_by_filter_needs_a_filter_the_permission_and_leaves_rows_changed_since(data):
+    from datetime import timedelta
+
+    _, endpoint, _ = data
+    url = reverse("admin:deliveries_delivery_replay_matching")
+    query = f"?endpoint={endpoint.id}"
+    form = {"confirm": "yes", "unsafe_confirmed": "yes"}
+
+    viewer = staff()
+    assert (
+        viewer.post(url + query, {**form, "shown_at": timezone.now().isoformat()}).status_code
+        == 302
+    )
+    assert b"replay-matching" not in viewer.get(CHANGELIST + query).content
+    replayer = staff("replay_delivery")
+    r = replayer.post(url, {**form, "shown_at": timezone.now().isoformat()}, follow=True)
+    assert b"Filter the log first" in r.content
+    # Shown before the rows last changed: they are left alone.
+    earlier = (timezone.now() - timedelta(minutes=5)).isoformat()
+    r = replayer.post(url + query, {**form, "shown_at": earlier}, follow=True)
+    assert b"No delivery matches these filters." in r.content
+    assert Delivery.objects.filter(state="pending").count() == 0
+    assert not AuditEntry.objects.exists()
+
+
 def test_dead_letters_are_grouped_by_endpoint_and_reason(data):
     page = staff().get(reverse("admin:deliveries_delivery_dead_letters"))
     assert page.status_code == 200
@@ -191,6 +259,49 @@ def test_pausing_and_resuming_from_the_admin_need_their_own_permission(data):
     assert AuditEntry.objects.filter(action="endpoint.resume", details__via="admin").exists()
 
 
+def test_the_endpoint_and_event_type_filters_are_always_there_and_searchable(data, monkeypatch):
+    from deliveries.admin import SearchableFilter
+
+    tenant, endpoint, _ = data
+    monkeypatch.setattr(SearchableFilter, "SHOWN", 2)
+    others = [
+        services.endpoint_create(tenant=tenant, url=f"https://hooks{i}.example.org/in")[0]
+        for i in range(3)
+    ]
+    client = staff()
+
+    def filter_choices(page, title):
+        spec = next(s for s in page.context["cl"].filter_specs if s.title == title)
+        return [c["display"] for c in spec.choices(page.context["cl"])]
+
+    EventType.objects.all().delete()
+    page = client.get(CHANGELIST)
+    # No event type in the catalogue: the types published are listed all the same.
+    assert filter_choices(page, "event type") == ["All", "invoice.paid", "user.created"]
+    assert filter_choices(page, "endpoint") == [
+        "All",
+        "https://example.com/hook",
+        "https://hooks0.example.org/in",
+    ]
+    assert b'name="endpoint_q"' in page.content and b'name="event_type_q"' in page.content
+
+    # A search narrows the list, keeps the page's other filters, and filters no row.
+    page = client.get(CHANGELIST, {"endpoint_q": "hooks2", "state": "dead"})
+    assert filter_choices(page, "endpoint") == ["All", "https://hooks2.example.org/in"]
+    assert page.content.count(b"state-badge") == 3
+    assert b'<input type="hidden" name="state" value="dead">' in page.content
+    page = client.get(CHANGELIST, {"event_type_q": "USER"})
+    assert filter_choices(page, "event type") == ["All", "user.created"]
+    page = client.get(CHANGELIST, {"endpoint_q": str(others[1].id)})
+    assert filter_choices(page, "endpoint") == ["All", "https://hooks1.example.org/in"]
+
+    # The one chosen is listed even past the first ones, and it filters.
+    page = client.get(CHANGELIST, {"endpoint": str(others[2].id)})
+    assert "https://hooks2.example.org/in" in filter_choices(page, "endpoint")
+    assert page.content.count(b"state-badge") == 0
+    assert client.get(CHANGELIST, {"endpoint": str(endpoint.id)}).content.count(b"state-badge") == 3
+
+
 def test_the_paginator_counts_at_most_the_cap(data, monkeypatch):
     monkeypatch.setattr(CappedCountPaginator, "CAP", 2)
     assert CappedCountPaginator(Delivery.objects.order_by("id"), 50).count == 3  # "2+" shows as 3
@@ -229,14 +340,18 @@ def test_endpoint_health_counts_each_endpoints_attempts_of_the_last_24_hours(set
         ok.id: 1,
         flaky.id: 2,
     }
-    old = Attempt.objects.filter(endpoint=ok).get()
-    old.pk, old.number = None, 9
-    old.started_at = timezone.now() - timedelta(hours=25)
-    old.save()
+    # The figures come from the tallies the worker kept as it recorded those attempts;
+    # a tally of 26 hours ago is out of the window.
+    from deliveries.models import EndpointHour
+
+    long_ago = (timezone.now() - timedelta(hours=26)).replace(minute=0, second=0, microsecond=0)
+    EndpointHour.objects.create(
+        hour=long_ago, endpoint=ok, outcome="retry", writer=1, attempts=7, total_ms=70.0
+    )
 
     page = staff().get("/admin/deliveries/endpoint/")
     assert page.status_code == 200
-    assert b"100.0% of 1" in page.content  # ok: the 25-hour-old attempt is left out
+    assert b"100.0% of 1" in page.content  # ok: the 26-hour-old failures are left out
     assert b"50.0% of 2" in page.content  # flaky: a 500, then a 200
 
 

@@ -197,6 +197,21 @@ def test_inbound_identities_survive_the_dedupe_window(settings):
         handlers.REGISTRY.remove(registration)
 
 
+def test_the_overviews_tallies_go_after_the_operations_window(tenant, make_endpoint):
+    from deliveries.models import AttemptMinute, EndpointHour
+
+    endpoint = make_endpoint("http://127.0.0.1:9/x")
+    now = timezone.now().replace(minute=0, second=0, microsecond=0)
+    for at in (now - OLD, now):
+        AttemptMinute.objects.create(minute=at, outcome="success", writer=1, attempts=3)
+        EndpointHour.objects.create(
+            hour=at, endpoint=endpoint, outcome="success", writer=1, attempts=3, total_ms=9.0
+        )
+    assert prune(only=["tallies"])["tallies"] == 2
+    assert list(AttemptMinute.objects.values_list("minute", flat=True)) == [now]
+    assert list(EndpointHour.objects.values_list("hour", flat=True)) == [now]
+
+
 def test_loop_runs_and_schedules(settings):
     now = timezone.now()
     LoopRun.objects.create(

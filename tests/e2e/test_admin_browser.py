@@ -92,7 +92,9 @@ def test_an_operator_replays_a_failed_delivery_and_sees_the_new_attempt(
         page.wait_for_url(re.compile(r"event_type=invoice\.paid"))
         assert "state__exact=pending" in page.url
         assert rows.count() == 1
-        assert rows.first.locator("td.field-endpoint_url").inner_text() == receiver.url("/flaky")
+        endpoint = rows.first.locator("td.field-endpoint_url")
+        assert endpoint.inner_text().split() == ["127.0.0.1:" + str(receiver.port), "/flaky"]
+        assert endpoint.locator("span[title]").get_attribute("title") == receiver.url("/flaky")
         assert rows.first.locator("td.field-badge").inner_text() == "pending"
         shot(page, "03-filtered-to-the-pending-delivery")
 
@@ -101,10 +103,10 @@ def test_an_operator_replays_a_failed_delivery_and_sees_the_new_attempt(
         page.wait_for_url(re.compile("^" + re.escape(detail)))
         where = page.locator(".field-where_it_stands .readonly")
         assert where.inner_text().startswith("Waiting by policy until")
-        assert "after retry (HTTP 500)" in where.inner_text()
+        assert "after HTTP 500 (failed, retried)" in where.inner_text()
         timeline = page.locator("#attempts-group tbody tr.form-row")
         assert timeline.count() == 1
-        assert timeline.nth(0).locator("td.field-status_code").inner_text() == "500"
+        assert timeline.nth(0).locator("td.field-answer").inner_text() == "HTTP 500"
         shot(page, "04-delivery-failed-once")
 
         # The Replay button asks first, as the bulk action does: invoice.paid is not
@@ -124,11 +126,11 @@ def test_an_operator_replays_a_failed_delivery_and_sees_the_new_attempt(
         assert where.inner_text().startswith("Succeeded at")
         assert "with HTTP 200 after 2 attempt(s)" in where.inner_text()
         assert timeline.count() == 2
-        assert [timeline.nth(i).locator("td.field-status_code").inner_text() for i in (0, 1)] == [
-            "500",
-            "200",
+        assert [timeline.nth(i).locator("td.field-answer").inner_text() for i in (0, 1)] == [
+            "HTTP 500",
+            "HTTP 200",
         ]
-        assert timeline.nth(1).locator("td.field-outcome").inner_text() == "Success"
+        assert timeline.nth(1).locator("td.field-result").inner_text() == "delivered"
         shot(page, "07-new-attempt-in-the-timeline")
 
     # The browser's view matches the database, the replay is audited under the operator's

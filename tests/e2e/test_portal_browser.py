@@ -115,7 +115,9 @@ def test_a_customer_runs_its_webhooks_from_the_portal(
         expect(rows.first).to_contain_text("Waiting by policy until")
         shot(page, "05-history-filtered")
         rows.first.get_by_role("link", name="invoice.paid").click()
-        expect(page.locator("#delivery-sentence")).to_contain_text("after retry (HTTP 500)")
+        expect(page.locator("#delivery-sentence")).to_contain_text(
+            "after HTTP 500 (failed, retried)"
+        )
         attempts = page.locator("#attempts > li")
         expect(attempts).to_have_count(2)
         expect(attempts.nth(1)).to_contain_text("HTTP 500")

@@ -58,6 +58,39 @@ def test_backfill_command_reads_the_window_with_progress_and_a_summary(crm, prov
 
 
 @pytest.mark.django_db
+def test_the_progress_line_reads_the_providers_total_and_the_last_line_counts_once(crm):
+    """A window much wider than the data: by the window, the first page would read 0.0%
+    with an ETA of days; the provider's total (2,000) is what the line goes by. The last
+    line, drawn after the run row was reloaded with this run's counts, counts them once."""
+    from ingest.management.commands.backfill import Command
+
+    command = Command()
+    run = backfill_run_create(slug="crm", since=BASE, until=BASE.replace(year=2026), rate=1000)
+    lines = []
+    segment = backfill_run_execute(
+        run_id=run.id, on_page=lambda seg: lines.append(command._line(seg))
+    )
+    assert len(lines) == 20
+    assert " 5.0%  100 of 2,000 records" in lines[0]
+    assert "ETA" in lines[0] and "h" not in lines[0].split("ETA")[1].split()[0]
+    assert " 50.0%  1,000 of 2,000 records" in lines[9]
+    final = command._line(segment)
+    assert segment.run.processed == 2000
+    assert "100.0%  2,000 of 2,000 records" in final
+
+    resumed = backfill_run_create(slug="crm", since=BASE, until=BASE.replace(year=2026), rate=1000)
+    pages = []
+    backfill_run_execute(
+        run_id=resumed.id, should_stop=lambda: len(pages) >= 3, on_page=pages.append
+    )
+    lines = []
+    backfill_run_execute(run_id=resumed.id, on_page=lambda seg: lines.append(command._line(seg)))
+    # 300 before the resume, then a page from the checkpoint's time that skips the 10
+    # records already read at it.
+    assert " 19.5%  390 of 2,000 records" in lines[0]
+
+
+@pytest.mark.django_db
 def test_an_interrupted_backfill_resumes_from_its_checkpoint_and_stores_each_record_once(
     crm, provider
 ):

@@ -154,15 +154,17 @@ class Command(BaseCommand):
         run, counts = segment.run, segment.counts
         p = backfill_progress(
             run,
-            processed=run.processed + counts["processed"],
-            requests=run.requests + counts["requests"],
+            processed=segment.processed_before + counts["processed"],
+            requests=segment.requests_before + counts["requests"],
             active_seconds=segment.active_before + segment.elapsed,
             checkpoint=segment.checkpoint,
+            total=segment.total,
         )
         rps = counts["requests"] / segment.elapsed if segment.elapsed > 0 else 0.0
         at = f"{p.checkpoint:%Y-%m-%dT%H:%M:%SZ}" if p.checkpoint else "-"
+        records = f"{p.processed:,} of {p.total:,}" if p.total else f"{p.processed:,}"
         return (
-            f"{ProgressBar.bar(p.fraction)} {p.fraction:6.1%}  {p.processed:,} records  "
+            f"{ProgressBar.bar(p.fraction)} {p.fraction:6.1%}  {records} records  "
             f"{p.records_per_second:,.0f} rec/s  {rps:.2f} req/s  ETA {duration(p.eta_seconds)}"
             f"  at {at}"
         )
