@@ -40,7 +40,7 @@ from .models import (
     OperationalEvent,
     Tenant,
 )
-from .selectors import delivery_explain
+from .selectors import attempt_request_headers, delivery_explain
 
 STATE_COLOURS = {
     DeliveryState.PENDING: "#b7791f",
@@ -356,14 +356,8 @@ class DeliveryAdmin(ReadOnlyAdmin):
         attempt = d.attempts.order_by("-number", "-id").first()
         if attempt is None:
             return "no attempt yet"
-        headers = {
-            "content-type": "application/json",
-            "webhook-id": str(d.id),
-            "idempotency-key": str(d.id),
-            "webhook-signature": "v1,… (one per active secret)",
-            **attempt.request_headers,
-        }
-        return format_html_join("", "<div><code>{}: {}</code></div>", sorted(headers.items()))
+        headers = attempt_request_headers(attempt).items()
+        return format_html_join("", "<div><code>{}: {}</code></div>", headers)
 
     @admin.display(description="body")
     def event_body(self, d):
