@@ -5,7 +5,7 @@ through the services. The whole story in a real browser is tests/e2e/test_portal
 import html
 import re
 import uuid
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -18,6 +18,7 @@ from rest_framework.test import APIClient
 
 from deliveries import services
 from deliveries.models import (
+    Attempt,
     AuditEntry,
     Delivery,
     Endpoint,
@@ -316,6 +317,24 @@ def test_pages_forbid_framing_unless_the_host_allows_it(alice, settings):
     r = client.get("/portal/")
     assert "frame-ancestors 'self' https://app.example.com" in r["Content-Security-Policy"]
     assert "X-Frame-Options" not in r
+
+
+def test_times_are_in_utc_as_the_pages_say_whatever_the_hosts_time_zone(alice, settings):
+    settings.TIME_ZONE = "America/New_York"
+    tenant, client = alice
+    endpoint, _ = services.endpoint_create(tenant=tenant, url="https://example.com/a")
+    delivery = Delivery.objects.get(event=services.endpoint_send_test(endpoint=endpoint))
+    at = datetime(2030, 1, 2, 12, 0, 0, tzinfo=UTC)
+    Attempt.objects.create(
+        delivery=delivery, number=1, started_at=at, duration_ms=5, status_code=500, outcome="retry"
+    )
+    Endpoint.objects.filter(id=endpoint.id).update(paused_at=at)
+    delivery_page = client.get(f"/portal/deliveries/{delivery.id}/").content.decode()
+    assert "<dt>Sent at</dt><dd>2030-01-02 12:00:00 UTC</dd>" in delivery_page
+    endpoint_page = client.get(f"/portal/endpoints/{endpoint.id}/").content.decode()
+    assert "since 2030-01-02 12:00 UTC" in endpoint_page
+    for page in (delivery_page, endpoint_page):
+        assert "2030-01-02 07:00" not in page  # New York's clock, labelled UTC
 
 
 def test_the_host_themes_the_portal(alice, settings):
