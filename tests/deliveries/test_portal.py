@@ -247,18 +247,30 @@ def test_every_post_needs_the_csrf_token(route, alice):
     assert endpoint.url == "https://example.com/a"
 
 
+# Attributes that name other elements by id: a name that is no element's id leaves a
+# screen reader with nothing to read (a label for nothing, help text never announced).
+ID_REFERENCES = ("for", "aria-describedby", "aria-labelledby", "aria-controls")
+
+
 class Controls(HTMLParser):
-    """The form controls of a page, the labels' targets, and the POST forms' tokens."""
+    """The form controls of a page, the labels' targets, the POST forms' tokens, the
+    ids and the references to ids."""
 
     def __init__(self) -> None:
         super().__init__()
         self.controls: list[dict] = []
         self.labelled: set[str] = set()
         self.forms: list[dict] = []
+        self.ids: set[str] = set()
+        self.references: list[tuple[str, str, str]] = []  # (tag, attribute, id)
         self._label_depth = 0
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
+        if a.get("id"):
+            self.ids.add(a["id"])
+        for attribute in ID_REFERENCES:
+            self.references += [(tag, attribute, i) for i in (a.get(attribute) or "").split()]
         if tag == "label":
             self._label_depth += 1
             if a.get("for"):
@@ -279,7 +291,7 @@ class Controls(HTMLParser):
             self._label_depth -= 1
 
 
-def test_every_control_is_labelled_and_every_post_form_carries_the_token(alice):
+def test_every_control_is_labelled_its_references_resolve_and_posts_carry_the_token(alice):
     tenant, client = alice
     endpoint, _ = services.endpoint_create(tenant=tenant, url="https://example.com/a")
     event = services.endpoint_send_test(endpoint=endpoint)
@@ -288,10 +300,14 @@ def test_every_control_is_labelled_and_every_post_form_carries_the_token(alice):
     pages = [fill(r, endpoint.id if "/endpoints/" in r else delivery.id) for r in portal_routes()]
     pages = [p for p in pages if not p.endswith(ACTIONS)]
     pages = [p for p in pages if p != "/portal/leave/"]
-    pages += ["/portal/enter/"]
-    checked = 0
-    for path in pages:
-        r = (Client() if path == "/portal/enter/" else client).get(path)
+    answers = [(path, client.get(path)) for path in pages]
+    answers.append(("/portal/enter/", Client().get("/portal/enter/")))
+    # A form sent back with its errors.
+    refused = client.post("/portal/endpoints/new/", {"url": "nope", "rate_limit": "-1"})
+    assert b'role="alert"' in refused.content
+    answers.append(("/portal/endpoints/new/ (refused)", refused))
+    checked = references = 0
+    for path, r in answers:
         assert r.status_code == 200, path
         parsed = Controls()
         parsed.feed(r.content.decode())
@@ -299,9 +315,12 @@ def test_every_control_is_labelled_and_every_post_form_carries_the_token(alice):
             named = control.get("aria-label") or control["_in_label"]
             assert named or control.get("id") in parsed.labelled, (path, control)
             checked += 1
+        for tag, attribute, target in parsed.references:
+            assert target in parsed.ids, (path, f"<{tag} {attribute}={target!r}> names no element")
+            references += 1
         for form in parsed.forms:
             assert form["method"] == "get" or form["csrf"], path
-    assert checked > 20
+    assert checked > 20 and references > 20
 
 
 # --- Headers and the look ------------------------------------------------------------------
