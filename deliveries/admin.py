@@ -48,6 +48,7 @@ from .models import (
 )
 from .selectors import (
     answer_of,
+    attempt_request_headers,
     dead_reason,
     delivery_explain,
     outcome_label,
@@ -557,14 +558,8 @@ class DeliveryAdmin(ReadOnlyAdmin):
         attempt = d.attempts.order_by("-number", "-id").first()
         if attempt is None:
             return "no attempt yet"
-        headers = {
-            "content-type": "application/json",
-            "webhook-id": str(d.id),
-            "idempotency-key": str(d.id),
-            "webhook-signature": "v1,… (one per active secret)",
-            **attempt.request_headers,
-        }
-        return format_html_join("", "<div><code>{}: {}</code></div>", sorted(headers.items()))
+        headers = attempt_request_headers(attempt).items()
+        return format_html_join("", "<div><code>{}: {}</code></div>", headers)
 
     @admin.display(description="body")
     def event_body(self, d):

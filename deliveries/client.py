@@ -127,7 +127,6 @@ class EventType(TypedDict):
 class PortalLink(TypedDict):
     url: str
     expires_at: str
-    session_seconds: NotRequired[int]
 
 
 class ApiError(Exception):

@@ -16,6 +16,11 @@ services and the worker at send time all call into this module. A custom header 
 At send time the worker sends only the headers this rule lets through
 (:func:`sendable_headers`) and records the names of the others on the attempt: a row
 written before the rule existed is delivered without them, and the tenant sees why.
+
+Where the attempt log keeps a name without its value, the value is a marker:
+``REDACTED`` for a custom header's (it may be a credential), ``DROPPED`` for a header the
+rule kept back (not sent), ``NOT_STORED`` for the signature, which is not logged
+(``deliveries.selectors.attempt_request_headers`` reads the log back).
 """
 
 import re
@@ -25,6 +30,11 @@ from typing import Any
 from django.core.exceptions import ValidationError
 
 MAX_HEADERS = 20
+
+# The attempt log's stand-ins for values it does not keep.
+REDACTED = "[redacted]"
+DROPPED = "[dropped]"
+NOT_STORED = "[not stored]"
 MAX_NAME_LENGTH = 256
 MAX_VALUE_LENGTH = 1000
 

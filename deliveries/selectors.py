@@ -12,11 +12,13 @@ from django.utils import timezone
 from deliveries.conf import settings
 
 from . import queries
-from .egress import EgressPolicy, IPNetwork
+from .egress import USER_AGENT, EgressPolicy, IPNetwork
+from .headers import DROPPED, NOT_STORED, PROTOCOL_HEADERS, REDACTED
 from .jobs.models import LoopRun, Outbox
 from .jobs.outbox import message_key
-from .models import Delivery, DeliveryState, Endpoint, Outcome, Tenant
+from .models import Attempt, Delivery, DeliveryState, Endpoint, Outcome, Tenant
 from .queries import DELIVERY_KIND
+from .signing import protocol_headers
 
 logger = logging.getLogger("deliveries.selectors")
 
@@ -296,6 +298,37 @@ def delivery_explain(delivery: Delivery, *, now: datetime | None = None) -> Expl
         "the same webhook-id.",
         details,
     )
+
+
+# --- What an attempt sent ------------------------------------------------------------------
+
+
+def attempt_request_headers(attempt: Attempt) -> dict[str, str]:
+    """The request headers of ``attempt`` as its receiver got them, in the order they were
+    sent, for the portal, the admin and the API alike.
+
+    The attempt log keeps only what varies (deliveries.worker): the timestamp signed and
+    the names of the endpoint's custom headers. The rest follows from the protocol
+    (deliveries.signing; webhook-id and Idempotency-Key are the delivery id) and the
+    HTTP client's User-Agent (deliveries.egress). A value the log does not keep is a
+    marker: ``[redacted]`` for a custom header's (it may be a credential, so a value
+    found in an older row is masked too), ``[not stored]`` for the signature (one
+    ``v1,…`` per secret signing then). Headers the header rule kept back come last,
+    ``[dropped]``: they were not sent."""
+    recorded = attempt.request_headers if isinstance(attempt.request_headers, dict) else {}
+    custom = [n for n, v in recorded.items() if v != DROPPED and n.lower() not in PROTOCOL_HEADERS]
+    dropped = [name for name, value in recorded.items() if value == DROPPED]
+    timestamp = recorded.get("webhook-timestamp")
+    if timestamp in (None, DROPPED):  # an older row's, whose dropped namesake replaced it
+        timestamp = NOT_STORED
+    headers = dict.fromkeys(custom, REDACTED)
+    delivery_id = str(attempt.delivery_id)
+    headers.update(protocol_headers(msg_id=delivery_id, timestamp=timestamp, signature=NOT_STORED))
+    if not any(name.lower() == "user-agent" for name in custom):
+        headers["User-Agent"] = USER_AGENT
+    # A dropped name the protocol also sets: the protocol's header is the one sent.
+    headers.update({name: DROPPED for name in dropped if name not in headers})
+    return headers
 
 
 # --- Egress allowances -----------------------------------------------------------------

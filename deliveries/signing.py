@@ -54,6 +54,19 @@ def signature_header(secrets: Iterable[str], *, msg_id: str, timestamp: int, bod
     return " ".join(sign(s, msg_id=msg_id, timestamp=timestamp, body=body) for s in secrets)
 
 
+def protocol_headers(*, msg_id: str, timestamp: int | str, signature: str) -> dict[str, str]:
+    """The headers the protocol sets on every attempt, in the order they are sent.
+    ``msg_id`` is both the ``webhook-id`` and the ``Idempotency-Key``: the delivery id,
+    the same on every copy."""
+    return {
+        "content-type": "application/json",
+        "webhook-id": msg_id,
+        "webhook-timestamp": str(timestamp),
+        "webhook-signature": signature,
+        "idempotency-key": msg_id,
+    }
+
+
 def delivery_headers(
     custom: Mapping[str, str],
     secrets: Iterable[str],
@@ -64,18 +77,9 @@ def delivery_headers(
 ) -> dict[str, str]:
     """The headers of one delivery attempt: the endpoint's custom headers (already
     held to ``deliveries.headers``, which keeps out the protocol's names in any case),
-    then the protocol's. ``msg_id`` is both the ``webhook-id`` and the ``Idempotency-Key``: the
-    delivery id, the same on every copy."""
-    return {
-        **custom,
-        "content-type": "application/json",
-        "webhook-id": msg_id,
-        "webhook-timestamp": str(timestamp),
-        "webhook-signature": signature_header(
-            secrets, msg_id=msg_id, timestamp=timestamp, body=body
-        ),
-        "idempotency-key": msg_id,
-    }
+    then the protocol's."""
+    signature = signature_header(secrets, msg_id=msg_id, timestamp=timestamp, body=body)
+    return {**custom, **protocol_headers(msg_id=msg_id, timestamp=timestamp, signature=signature)}
 
 
 def verify(

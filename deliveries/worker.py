@@ -58,7 +58,7 @@ from deliveries.prometheus import (
 
 from . import state, tracing
 from .egress import EgressError, EgressSession
-from .headers import sendable_headers
+from .headers import DROPPED, REDACTED, sendable_headers
 from .jobs import broker, kinds, wakeup
 from .jobs.faults import crash_point
 from .jobs.loop import DB_ERRORS, Backoff, reset_connection
@@ -572,10 +572,12 @@ class Worker:
         )
         # The attempt log keeps what varies per attempt: the timestamp signed, and the
         # names of custom headers (their values may be credentials). The rest is fixed by
-        # the protocol (webhook-id and Idempotency-Key are the delivery id).
-        logged_headers = {"webhook-timestamp": str(timestamp)}
-        logged_headers.update(dict.fromkeys(target.headers, "[redacted]"))
-        logged_headers.update(dict.fromkeys(target.dropped_headers, "[dropped]"))
+        # the protocol (webhook-id and Idempotency-Key are the delivery id), which is how
+        # deliveries.selectors.attempt_request_headers reads it back.
+        # The timestamp last: a stored header of the same name was dropped, not sent.
+        logged_headers = dict.fromkeys(target.headers, REDACTED)
+        logged_headers.update(dict.fromkeys(target.dropped_headers, DROPPED))
+        logged_headers["webhook-timestamp"] = str(timestamp)
         started = datetime.now(UTC)
         try:
             response = await self.egress.post(

@@ -13,7 +13,7 @@ from ..headers import MAX_VALUE_LENGTH, validate_endpoint_headers
 from ..jobs.models import Job
 from ..jobs.selectors import job_progress
 from ..models import Attempt, Delivery, Endpoint, Event, EventType, EventTypeVersion
-from ..selectors import delivery_explain, egress_policy_for
+from ..selectors import attempt_request_headers, delivery_explain, egress_policy_for
 from .parsers import StrictJSONField
 
 NAIVE_TIME = (
@@ -226,7 +226,16 @@ class DeliveryOutput(serializers.ModelSerializer):
         return delivery_explain(delivery).sentence
 
 
+REQUEST_HEADERS_HELP = (
+    "The request's headers in the order sent, as the receiver got them. A value that is "
+    "not kept is a marker: a custom header's \"[redacted]\", the signature's "
+    '"[not stored]"; a header the header rule kept back is "[dropped]" (not sent).'
+)
+
+
 class AttemptOutput(serializers.ModelSerializer):
+    request_headers = serializers.SerializerMethodField(help_text=REQUEST_HEADERS_HELP)
+
     class Meta:
         model = Attempt
         fields = [
@@ -242,6 +251,10 @@ class AttemptOutput(serializers.ModelSerializer):
             "response_truncated",
             "request_headers",
         ]
+
+    @extend_schema_field(serializers.DictField(child=serializers.CharField()))
+    def get_request_headers(self, attempt) -> dict[str, str]:
+        return attempt_request_headers(attempt)
 
 
 class RecoverInput(serializers.Serializer):

@@ -9,11 +9,13 @@ no caching, and CSRF protection on every form whatever the host's middleware is.
 
 import time
 import uuid
+from datetime import UTC
 from functools import wraps
 from urllib.parse import urlsplit
 
 from django.http import Http404
 from django.shortcuts import render
+from django.utils import timezone
 from django.views.decorators.clickjacking import xframe_options_exempt
 from django.views.decorators.csrf import csrf_protect
 
@@ -82,14 +84,16 @@ def with_portal_headers(response):
 
 def page(request, template: str, context: dict | None = None, status: int = 200):
     """A portal page: ``template`` with the look (PORTAL_TITLE, PORTAL_LOGO_URL,
-    PORTAL_CSS_URL) and the session's tenant in ``portal``."""
+    PORTAL_CSS_URL) and the session's tenant in ``portal``. Rendered in UTC, as the pages
+    label their times, whatever the host's TIME_ZONE."""
     portal = {
         "title": settings.PORTAL_TITLE,
         "logo_url": settings.PORTAL_LOGO_URL,
         "css_url": settings.PORTAL_CSS_URL,
         "tenant": getattr(request, "portal_tenant", None),
     }
-    return render(request, template, {"portal": portal, **(context or {})}, status=status)
+    with timezone.override(UTC):
+        return render(request, template, {"portal": portal, **(context or {})}, status=status)
 
 
 def public_view(view):

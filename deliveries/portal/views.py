@@ -15,7 +15,7 @@ from django.utils import timezone
 from .. import services
 from ..catalogue import group_of
 from ..models import Attempt, Delivery, Endpoint, EndpointSecret, EventType
-from ..selectors import delivery_explain
+from ..selectors import attempt_request_headers, delivery_explain
 from . import access, forms
 from .links import portal_link_redeem
 from .theme import theme_css
@@ -307,7 +307,7 @@ def delivery_detail(request, tenant, pk):
             "delivery": delivery,
             "endpoint": endpoint,
             "explanation": delivery_explain(delivery),
-            "attempts": [(a, json.dumps(a.request_headers, indent=2)) for a in attempts],
+            "attempts": [(a, attempt_request_headers(a)) for a in attempts],
             "payload": json.dumps(json.loads(bytes(delivery.event.body)), indent=2)[:20_000],
             "terminal": delivery.state in TERMINAL,
             "nav": "deliveries",

@@ -2,6 +2,7 @@
 documented in the one shape, unknown routes and query parameters are refused in it, a
 201 says where the new object is, and a time without an offset is refused."""
 
+import typing
 from datetime import timedelta
 
 import pytest
@@ -10,6 +11,7 @@ from django.utils import timezone
 from jsonschema import Draft202012Validator
 from rest_framework.test import APIClient
 
+from deliveries import client as client_module
 from deliveries import services
 from deliveries.api.errors import ERROR_SCHEMA
 from deliveries.models import Event
@@ -81,6 +83,33 @@ def test_every_request_example_in_the_schema_works_as_written(client, openapi):
             assert r.status_code in (200, 201, 202), (method, path, r.content)
             sent += 1
     assert sent >= 2
+
+
+# The Python client's answer types, and the schema component each is written on.
+CLIENT_TYPES = {
+    "Endpoint": "EndpointOutput",
+    "EndpointWithSecret": "EndpointWithSecret",
+    "SecretRotation": "SecretOutput",
+    "Event": "EventOutput",
+    "Delivery": "DeliveryOutput",
+    "Attempt": "AttemptOutput",
+    "EventType": "EventTypeOutput",
+    "EventTypeVersion": "EventTypeVersionOutput",
+    "PortalLink": "PortalLinkOutput",
+}
+
+
+def test_the_python_clients_types_have_the_schemas_fields(openapi):
+    typed = {
+        name: value
+        for name, value in vars(client_module).items()
+        if typing.is_typeddict(value) and value.__module__ == client_module.__name__
+    }
+    assert set(typed) == set(CLIENT_TYPES)  # a new answer type is written on the schema too
+    components = openapi["components"]["schemas"]
+    for name, component in CLIENT_TYPES.items():
+        fields = set(typing.get_type_hints(typed[name]))
+        assert fields == set(components[component]["properties"]), name
 
 
 @pytest.mark.parametrize("debug", [False, True])

@@ -9,6 +9,7 @@ from django.utils import timezone
 from deliveries import services
 from deliveries.client import ApiError, WebhooksClient
 from deliveries.models import EventType, EventTypeVersion
+from deliveries.portal.links import portal_link_redeem
 from tests.conftest import drain
 from tests.receiver import fail_first
 
@@ -90,3 +91,16 @@ def test_the_catalogue_through_the_client(api):
     assert [t["name"] for t in api.list_event_types()] == ["customer.created", "invoice.paid"]
     (listed,) = api.list_event_types(group="invoice")
     assert listed["versions"][0]["example"] == {"invoice_id": "in_1"}
+
+
+def test_a_portal_link_through_the_client_opens_the_tenants_portal(api, live_server, tenant):
+    link = api.portal_link(ttl=60)
+    assert set(link) == {"url", "expires_at"}
+    path, token = link["url"].removeprefix(live_server.url).split("#")
+    assert path == "/portal/enter/" and token.startswith("whp_")
+    expires = datetime.fromisoformat(link["expires_at"])
+    assert timedelta(seconds=55) < expires - timezone.now() <= timedelta(seconds=60)
+    assert portal_link_redeem(token=token) == tenant.id
+    with pytest.raises(ApiError) as refused:
+        api.portal_link(ttl=10**9)
+    assert (refused.value.status, refused.value.code) == (400, "invalid_ttl")

@@ -5,7 +5,7 @@ through the services. The whole story in a real browser is tests/e2e/test_portal
 import html
 import re
 import uuid
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -18,6 +18,7 @@ from rest_framework.test import APIClient
 
 from deliveries import services
 from deliveries.models import (
+    Attempt,
     AuditEntry,
     Delivery,
     Endpoint,
@@ -246,18 +247,30 @@ def test_every_post_needs_the_csrf_token(route, alice):
     assert endpoint.url == "https://example.com/a"
 
 
+# Attributes that name other elements by id: a name that is no element's id leaves a
+# screen reader with nothing to read (a label for nothing, help text never announced).
+ID_REFERENCES = ("for", "aria-describedby", "aria-labelledby", "aria-controls")
+
+
 class Controls(HTMLParser):
-    """The form controls of a page, the labels' targets, and the POST forms' tokens."""
+    """The form controls of a page, the labels' targets, the POST forms' tokens, the
+    ids and the references to ids."""
 
     def __init__(self) -> None:
         super().__init__()
         self.controls: list[dict] = []
         self.labelled: set[str] = set()
         self.forms: list[dict] = []
+        self.ids: set[str] = set()
+        self.references: list[tuple[str, str, str]] = []  # (tag, attribute, id)
         self._label_depth = 0
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
+        if a.get("id"):
+            self.ids.add(a["id"])
+        for attribute in ID_REFERENCES:
+            self.references += [(tag, attribute, i) for i in (a.get(attribute) or "").split()]
         if tag == "label":
             self._label_depth += 1
             if a.get("for"):
@@ -278,7 +291,7 @@ class Controls(HTMLParser):
             self._label_depth -= 1
 
 
-def test_every_control_is_labelled_and_every_post_form_carries_the_token(alice):
+def test_every_control_is_labelled_its_references_resolve_and_posts_carry_the_token(alice):
     tenant, client = alice
     endpoint, _ = services.endpoint_create(tenant=tenant, url="https://example.com/a")
     event = services.endpoint_send_test(endpoint=endpoint)
@@ -287,10 +300,14 @@ def test_every_control_is_labelled_and_every_post_form_carries_the_token(alice):
     pages = [fill(r, endpoint.id if "/endpoints/" in r else delivery.id) for r in portal_routes()]
     pages = [p for p in pages if not p.endswith(ACTIONS)]
     pages = [p for p in pages if p != "/portal/leave/"]
-    pages += ["/portal/enter/"]
-    checked = 0
-    for path in pages:
-        r = (Client() if path == "/portal/enter/" else client).get(path)
+    answers = [(path, client.get(path)) for path in pages]
+    answers.append(("/portal/enter/", Client().get("/portal/enter/")))
+    # A form sent back with its errors.
+    refused = client.post("/portal/endpoints/new/", {"url": "nope", "rate_limit": "-1"})
+    assert b'role="alert"' in refused.content
+    answers.append(("/portal/endpoints/new/ (refused)", refused))
+    checked = references = 0
+    for path, r in answers:
         assert r.status_code == 200, path
         parsed = Controls()
         parsed.feed(r.content.decode())
@@ -298,9 +315,12 @@ def test_every_control_is_labelled_and_every_post_form_carries_the_token(alice):
             named = control.get("aria-label") or control["_in_label"]
             assert named or control.get("id") in parsed.labelled, (path, control)
             checked += 1
+        for tag, attribute, target in parsed.references:
+            assert target in parsed.ids, (path, f"<{tag} {attribute}={target!r}> names no element")
+            references += 1
         for form in parsed.forms:
             assert form["method"] == "get" or form["csrf"], path
-    assert checked > 20
+    assert checked > 20 and references > 20
 
 
 # --- Headers and the look ------------------------------------------------------------------
@@ -316,6 +336,24 @@ def test_pages_forbid_framing_unless_the_host_allows_it(alice, settings):
     r = client.get("/portal/")
     assert "frame-ancestors 'self' https://app.example.com" in r["Content-Security-Policy"]
     assert "X-Frame-Options" not in r
+
+
+def test_times_are_in_utc_as_the_pages_say_whatever_the_hosts_time_zone(alice, settings):
+    settings.TIME_ZONE = "America/New_York"
+    tenant, client = alice
+    endpoint, _ = services.endpoint_create(tenant=tenant, url="https://example.com/a")
+    delivery = Delivery.objects.get(event=services.endpoint_send_test(endpoint=endpoint))
+    at = datetime(2030, 1, 2, 12, 0, 0, tzinfo=UTC)
+    Attempt.objects.create(
+        delivery=delivery, number=1, started_at=at, duration_ms=5, status_code=500, outcome="retry"
+    )
+    Endpoint.objects.filter(id=endpoint.id).update(paused_at=at)
+    delivery_page = client.get(f"/portal/deliveries/{delivery.id}/").content.decode()
+    assert "<dt>Sent at</dt><dd>2030-01-02 12:00:00 UTC</dd>" in delivery_page
+    endpoint_page = client.get(f"/portal/endpoints/{endpoint.id}/").content.decode()
+    assert "since 2030-01-02 12:00 UTC" in endpoint_page
+    for page in (delivery_page, endpoint_page):
+        assert "2030-01-02 07:00" not in page  # New York's clock, labelled UTC
 
 
 def test_the_host_themes_the_portal(alice, settings):
