@@ -56,6 +56,9 @@ from .schemes import MailPost
 from .sources import email_throttle, live_secrets, record_refusal, source_for
 
 logger = logging.getLogger("ingest.smtp")
+# aiosmtpd's logger: at INFO, a line for every command line a peer sends (its text
+# verbatim) and every connection; at WARNING and above, what went wrong in a session.
+LIBRARY_LOGGER = "mail.log"
 
 # The listener's own refusals, by reason.
 REPLIES = {
@@ -97,6 +100,19 @@ def refusal_reason(status: str) -> str | None:
         if status.startswith(start):
             return reason
     return None
+
+
+def quiet_library_log() -> None:
+    """Keep aiosmtpd's logger at WARNING unless the host gave it a level of its own.
+
+    At INFO it writes a line per SMTP command, and a host's root logger commonly takes
+    INFO: mail from the internet would fill the host's logs with whatever text peers
+    send. The listener logs what became of each message itself (``ingest.smtp``,
+    ``ingest``); a host that wants the session transcript sets ``mail.log``'s level in
+    its ``LOGGING``, and that level is left alone."""
+    library = logging.getLogger(LIBRARY_LOGGER)
+    if library.level == logging.NOTSET:
+        library.setLevel(logging.WARNING)
 
 
 def dkim_resolver() -> Callable | None:

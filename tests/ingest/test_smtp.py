@@ -4,6 +4,7 @@ the commit and the answer, SIGTERM)."""
 
 import base64
 import datetime
+import logging
 import smtplib
 import ssl
 import threading
@@ -18,6 +19,7 @@ from django.db import connection
 
 from deliveries.jobs.models import Outbox
 from ingest.models import InboundEmail, InboundEvent, SourceSecret, VerificationFailure
+from ingest.smtp import LIBRARY_LOGGER, quiet_library_log
 from tests.conftest import subprocess_env
 from tests.ingest.conftest import message, smtp_client, smtp_listener
 
@@ -337,6 +339,20 @@ def test_stopping_lets_a_message_being_stored_finish_and_tells_the_rest_421(smtp
     idle.close()
 
 
+def test_aiosmtpds_command_log_is_quieted_unless_the_host_set_its_level():
+    library = logging.getLogger(LIBRARY_LOGGER)
+    saved = library.level
+    try:
+        library.setLevel(logging.NOTSET)
+        quiet_library_log()
+        assert library.getEffectiveLevel() == logging.WARNING
+        library.setLevel(logging.DEBUG)  # a host's LOGGING named it: its choice stands
+        quiet_library_log()
+        assert library.level == logging.DEBUG
+    finally:
+        library.setLevel(saved)
+
+
 # --- The real process: kill -9 between the commit and the answer, SIGTERM ---------------
 
 
@@ -392,6 +408,10 @@ def test_a_listener_killed_before_its_answer_loses_nothing_it_acknowledged(smtp_
     stored = set(InboundEmail.objects.values_list("message_id", flat=True))
     assert set(acknowledged) <= stored
     assert InboundEvent.objects.get(event_id__startswith="<first@").duplicates == 1
+    # The project's LOGGING takes INFO at the root and names no level for aiosmtpd, as a
+    # host's may: run_smtp keeps its line per SMTP command out of the logs.
+    log = running.stderr.read_text()
+    assert '"action": "ingest.email"' in log and '"logger": "mail.log"' not in log
 
     # SIGTERM: an idle session is told 421 and the process exits cleanly.
     stopping, port = _start(commands, subprocess_env())
