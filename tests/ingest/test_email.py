@@ -15,8 +15,9 @@ from django.utils import timezone
 
 from deliveries.jobs.models import Outbox
 from deliveries.models import AuditEntry
-from ingest import handlers, mail
+from ingest import handlers, mail, schemes
 from ingest.models import InboundEmail, InboundEvent, SourceSecret, VerificationFailure
+from ingest.receiving import email_receive
 from ingest.schemes import get_scheme
 from ingest.sources import source_create
 from tests.conftest import drain, scrape, value
@@ -247,6 +248,64 @@ def test_sendgrids_own_fields_are_recorded_beside_them():
         "dmarc": "pass",
         "dkim_domain": "example.org",
     }
+
+
+def test_a_providers_verdict_holding_nul_is_stored_escaped_not_a_500():
+    source_create(slug="sg", scheme="sendgrid", secrets=[CREDENTIAL])
+    body, content_type = schemes._multipart(
+        [
+            ("envelope", b'{"to": ["support@example.com"], "from": "ann@example.org"}'),
+            ("SPF", b"pa\x00ss"),
+            ("email", message()),
+        ]
+    )
+    r = Client().post(
+        "/ingest/sg/",
+        body,
+        content_type=content_type,
+        secure=True,
+        HTTP_AUTHORIZATION=get_scheme("sendgrid")._authorization(CREDENTIAL),
+    )
+    assert (r.status_code, r.json()["status"]) == (200, "accepted")
+    assert InboundEmail.objects.get().authentication == {"spf": "pa\\x00ss", "by": "sendgrid"}
+
+
+def _stored_text(email: InboundEmail) -> list[str]:
+    """Every text value of the stored email and its event, JSON columns included."""
+    event = email.event
+    found = [event.event_id, event.event_type, event.entity_id, event.last_error]
+    for f in InboundEmail._meta.concrete_fields:
+        value = getattr(email, f.attname)
+        found += [value] if isinstance(value, str) else []
+        found += [str(v) for v in value] if isinstance(value, list) else []
+        found += [f"{k}{v}" for k, v in value.items()] if isinstance(value, dict) else []
+    return found
+
+
+@pytest.mark.parametrize("transport", ["smtp", "sendgrid"])
+def test_text_from_outside_is_stored_cleaned_wherever_it_lands(transport):
+    """NUL and lone surrogates (no text or jsonb column takes them) in every value a
+    transport hands the store besides the message: the message is stored, never lost
+    to a database error."""
+    poison = "x\x00\ud800y"
+    source = source_create(slug="m", scheme=transport, secrets=[], options={"addresses": ADDRESSES})
+    received = email_receive(
+        source=source,
+        post=schemes.MailPost(
+            raw=message(),
+            recipients=("support@example.com",),
+            mail_from="ann@example.org",
+            verdicts={"spf": poison, poison: "pass"},
+        ),
+        transport=transport,
+        remote=poison,
+        authenticated_as=poison,
+        evidence={"dkim": poison, "dkim_domain": poison},
+    )
+    assert received.outcome == "accepted"
+    stored = _stored_text(InboundEmail.objects.get())
+    assert any("x\\x00\ufffdy" in text for text in stored)
+    assert not [t for t in stored if "\x00" in t or any(0xD800 <= ord(c) <= 0xDFFF for c in t)]
 
 
 # --- The checks hostile mail meets (ingest.mail, no database) ----------------------------
