@@ -361,6 +361,42 @@ def test_each_rule_refuses_with_its_reason(reason):
     assert refused.value.reason == reason.split()[0]
 
 
+def _part_bomb(parts: int, *, boundary: bytes = b"boundary=b", newline: bytes = b"\r\n") -> bytes:
+    head = b"From: a@example.org\r\nMIME-Version: 1.0\r\nContent-Type: multipart/mixed; "
+    return (head + boundary + b"\r\n\r\n").replace(b"\r\n", newline) + (
+        b"--b" + newline + newline + b"x" + newline
+    ) * parts
+
+
+PART_BOMBS = {
+    "crlf": _part_bomb(20_000),
+    "lf": _part_bomb(20_000, newline=b"\n"),
+    "lone cr": _part_bomb(20_000, newline=b"\r"),
+    # Boundaries a byte pattern cannot read: every line starting with "--" counts.
+    "rfc 2231 encoding": _part_bomb(500, boundary=b"boundary*=utf-8''%62"),  # "b"
+    "quoted pair": _part_bomb(20_000, boundary=b'boundary="\\b"'),
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(PART_BOMBS))
+def test_a_part_bomb_is_refused_on_its_bytes_before_it_is_parsed(spelling):
+    with pytest.raises(mail.Rejected) as refused:
+        mail.inspect(PART_BOMBS[spelling], mail.Limits())
+    assert refused.value.reason == "too_many_parts"
+    assert refused.value.detail.endswith("delimiter lines before parsing")
+
+
+def test_lines_starting_with_dashes_in_a_body_are_not_parts():
+    comments = b"-- a comment\r\nselect 1;\r\n" * 5000  # an SQL script, pasted
+    plain = message(body=comments.decode())
+    multipart = _attached(("a.txt", b"x"), ("b.txt", b"y"))
+    boundary = mail.parse(multipart).get_boundary().encode()
+    with_script = multipart.replace(b"see attached", b"see attached\n" + comments, 1)
+    assert with_script.count(b"--" + boundary) == 4
+    for raw in (plain, with_script):
+        assert len(mail.inspect(raw, mail.Limits()).attachments) == (0 if raw is plain else 2)
+
+
 def test_a_single_archive_and_ordinary_mail_pass():
     inspected = mail.inspect(_attached(("logs.zip", _zip(("a.log", b"ok")))), LIMITS)
     assert [(a.filename, a.size) for a in inspected.attachments] == [
