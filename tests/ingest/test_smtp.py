@@ -80,6 +80,37 @@ def test_each_accepted_recipient_gets_its_own_event(listener):
     }
 
 
+def test_a_message_id_is_stored_once_per_recipient_however_the_copies_are_split(listener):
+    """A sender's retry may carry all the recipients again, some of them, or a new one
+    (an MTA splits and regroups them): each address keeps one event, every copy of it
+    counted on it."""
+    raw = message(to="support@example.com, orders@inbound.example.com", message_id="<r@x>")
+    replies = []
+    with smtp_client(listener.bound_port) as client:
+        client.ehlo()
+        for recipients in (
+            ["support@example.com", "orders@inbound.example.com"],
+            ["orders@inbound.example.com", "support@example.com"],  # all again
+            ["support@example.com"],  # one of them again
+            ["support@example.com", "billing@inbound.example.com"],  # and a new one
+        ):
+            client.mail("ann@example.org")
+            for recipient in recipients:
+                client.rcpt(recipient)
+            replies.append(client.data(raw))
+    assert [code for code, _ in replies] == [250] * 4
+    stored = dict(InboundEvent.objects.values_list("event_type", "duplicates"))
+    assert stored == {
+        "support@example.com": 3,
+        "orders@inbound.example.com": 1,
+        "billing@inbound.example.com": 0,
+    }
+    assert InboundEmail.objects.filter(message_id="r@x").count() == 3
+    assert stored_with_job(InboundEvent.objects.values_list("id", flat=True)) == set(
+        InboundEvent.objects.values_list("id", flat=True)
+    )
+
+
 def test_a_recipient_not_configured_is_refused_at_rcpt(smtp_source):
     with smtp_listener() as running, smtp_client(running.bound_port) as client:
         client.ehlo()
