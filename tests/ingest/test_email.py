@@ -567,3 +567,5 @@ def test_create_source_makes_mail_sources():
         call_command("create_source", "pm", "--scheme", "postmark")
     call_command("create_source", "pm", "--scheme", "postmark", "--secret", CREDENTIAL, stdout=out)
     assert Source.objects.get(slug="pm").max_body_bytes == 25 * 1024 * 1024
+    call_command("create_source", "mg", "--scheme", "mailgun", "--secret", "key-1", stdout=out)
+    assert out.getvalue().endswith("POST /ingest/mg/mime\n")  # where its raw post goes
