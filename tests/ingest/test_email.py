@@ -41,7 +41,7 @@ def provider(request):
 
 
 def post(source, raw, *, recipients=("support@example.com",), secret=None, timestamp=None,
-         mail_from="ann@example.org", secure=True, remote="203.0.113.9"):  # fmt: skip
+         mail_from="ann@example.org", secure=True, remote="203.0.113.9", **meta):  # fmt: skip
     scheme = get_scheme(source.scheme, source.options)
     body, headers = scheme.post(
         raw=raw,
@@ -60,6 +60,7 @@ def post(source, raw, *, recipients=("support@example.com",), secret=None, times
         content_type=headers["content-type"],
         secure=secure,
         **extra,
+        **meta,
     )
 
 
@@ -153,6 +154,37 @@ def test_basic_auth_is_refused_over_plain_http_and_outside_the_allow_list(provid
     assert post(provider, message()).status_code == 401
     assert post(provider, message(), remote="198.51.100.7").status_code == 200
     assert refusals(provider) == {"insecure_transport": 1, "ip_not_allowed": 1}
+
+
+@pytest.mark.parametrize("provider", ["sendgrid"], indirect=True)
+def test_the_allow_list_sees_the_address_a_trusted_proxy_names(provider, settings):
+    """Behind the shipped nginx every post comes from the proxy's address; the provider's
+    is the last one X-Forwarded-For names outside INGEST_TRUSTED_PROXIES."""
+    provider.options = {**provider.options, "allow_ips": ["198.51.100.0/24"]}
+    provider.save()
+
+    def relayed(forwarded_for, remote="127.0.0.1"):
+        return post(provider, message(), remote=remote, HTTP_X_FORWARDED_FOR=forwarded_for)
+
+    assert relayed("198.51.100.7").status_code == 401  # no proxy trusted: 127.0.0.1 posted
+    settings.INGEST_TRUSTED_PROXIES = ["127.0.0.0/8", "10.0.0.0/8"]
+    assert relayed("198.51.100.7").status_code == 200
+    assert relayed("198.51.100.7, 10.1.2.3").status_code == 200  # through two proxies
+    # What the client wrote itself comes first; the address its proxy saw, last.
+    assert relayed("198.51.100.7, 203.0.113.9").status_code == 401
+    # A header from a client no proxy relayed is not read at all.
+    assert relayed("198.51.100.7", remote="203.0.113.9").status_code == 401
+    assert relayed("not an address").status_code == 401
+    assert refusals(provider) == {"ip_not_allowed": 4}
+    assert set(InboundEmail.objects.values_list("remote_addr", flat=True)) == {"198.51.100.7"}
+
+
+def test_a_trusted_proxy_that_is_no_network_fails_the_check(settings):
+    from django.core.checks import run_checks
+
+    settings.INGEST_TRUSTED_PROXIES = ["10.0.0.0/8", "proxy.internal"]
+    errors = [e for e in run_checks() if e.id == "ingest.E001"]
+    assert [e.msg for e in errors] == ["INGEST_TRUSTED_PROXIES: 'proxy.internal' is not a network."]
 
 
 @pytest.mark.parametrize("provider", ["mailgun"], indirect=True)
