@@ -56,9 +56,6 @@ from .schemes import MailPost
 from .sources import email_throttle, live_secrets, record_refusal, source_for
 
 logger = logging.getLogger("ingest.smtp")
-# aiosmtpd's logger: at INFO, a line for every command line a peer sends (its text
-# verbatim) and every connection; at WARNING and above, what went wrong in a session.
-LIBRARY_LOGGER = "mail.log"
 
 # The listener's own refusals, by reason.
 REPLIES = {
@@ -110,7 +107,9 @@ def quiet_library_log() -> None:
     send. The listener logs what became of each message itself (``ingest.smtp``,
     ``ingest``); a host that wants the session transcript sets ``mail.log``'s level in
     its ``LOGGING``, and that level is left alone."""
-    library = logging.getLogger(LIBRARY_LOGGER)
+    # aiosmtpd's logger: at INFO a line for every command line a peer sends (its text
+    # verbatim) and every connection; at WARNING and above what went wrong in a session.
+    library = logging.getLogger("mail.log")
     if library.level == logging.NOTSET:
         library.setLevel(logging.WARNING)
 

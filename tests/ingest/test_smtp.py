@@ -19,7 +19,7 @@ from django.db import connection
 
 from deliveries.jobs.models import Outbox
 from ingest.models import InboundEmail, InboundEvent, SourceSecret, VerificationFailure
-from ingest.smtp import LIBRARY_LOGGER, quiet_library_log
+from ingest.smtp import quiet_library_log
 from tests.conftest import subprocess_env
 from tests.ingest.conftest import message, smtp_client, smtp_listener
 
@@ -376,7 +376,7 @@ def test_stopping_lets_a_message_being_stored_finish_and_tells_the_rest_421(smtp
 
 
 def test_aiosmtpds_command_log_is_quieted_unless_the_host_set_its_level():
-    library = logging.getLogger(LIBRARY_LOGGER)
+    library = logging.getLogger("mail.log")  # aiosmtpd's
     saved = library.level
     try:
         library.setLevel(logging.NOTSET)
