@@ -484,6 +484,50 @@ def test_an_email_handler_gets_a_typed_message_in_date_order_per_entity(provider
 
 
 @WITH_WORKERS
+@pytest.mark.parametrize("batch", ["committed", "rolled back"])
+def test_a_message_over_the_leases_inline_size_reaches_its_handler_whole(received, batch):
+    """The lease leaves out bodies over LEASE_INLINE_BODY_BYTES; each is read when its
+    event is applied, in a batch and one by one (after another event's handler failed)."""
+    from email.message import EmailMessage
+
+    from ingest.queries import LEASE_INLINE_BODY_BYTES
+
+    source = source_create(slug="mx", scheme="smtp", secrets=[], options={"addresses": ADDRESSES})
+    scan = bytes(range(256)) * (LEASE_INLINE_BODY_BYTES // 256 + 1)
+    big = EmailMessage()
+    big["From"], big["To"], big["Subject"] = "a@example.org", "support@example.com", "scan"
+    big.set_content("attached")
+    big.add_attachment(scan, maintype="application", subtype="pdf", filename="scan.pdf")
+    subjects = ["scan", "note"] + (["boom"] if batch == "rolled back" else [])
+
+    @handlers.handler("email", "support@example.com")
+    def fails_on_boom(message):
+        if message.subject == "boom":
+            raise RuntimeError("boom")
+
+    try:
+        for subject in subjects:
+            raw = big.as_bytes() if subject == "scan" else message(subject=subject)
+            email_receive(
+                source=source,
+                post=schemes.MailPost(raw, ("support@example.com",), "a@example.org"),
+                transport="smtp",
+            )
+        drain()
+    finally:
+        handlers.REGISTRY.remove(next(r for r in handlers.REGISTRY if r.func is fails_on_boom))
+    runs = [m for m in received if m.subject == "scan"]  # twice if its batch rolled back
+    assert runs and len(big.as_bytes()) > LEASE_INLINE_BODY_BYTES
+    for scanned in runs:
+        assert scanned.body == big.as_bytes()
+        assert [(a.filename, a.payload) for a in scanned.attachments] == [("scan.pdf", scan)]
+    states = dict(InboundEvent.objects.values_list("email__subject", "state"))
+    assert states == {"scan": "processed", "note": "processed"} | (
+        {"boom": "pending"} if batch == "rolled back" else {}
+    )
+
+
+@WITH_WORKERS
 def test_an_older_email_arriving_later_still_runs(received):
     source = source_create(slug="pm", scheme="postmark", secrets=[CREDENTIAL])
     late = message(
