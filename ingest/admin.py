@@ -1,6 +1,8 @@
 """Staff views of inbound webhooks: sources, events (with reprocess), inbound emails
 (with reprocess), refusals."""
 
+import re
+
 from django import forms
 from django.contrib import admin, messages
 from django.utils import timezone
@@ -226,7 +228,8 @@ class InboundEmailAdmin(ReadOnlyAdmin):
 
     @admin.display(description="headers")
     def raw_headers(self, email):
-        head = bytes(email.event.body).split(b"\r\n\r\n", 1)[0][:20_000]
+        # The header block ends at the first empty line, CRLF or (a provider's post) LF.
+        head = re.split(rb"\r?\n\r?\n", bytes(email.event.body), maxsplit=1)[0][:20_000]
         lines = head.decode("utf-8", "replace").splitlines()
         return format_html(
             "<pre style='white-space:pre-wrap'>{}</pre>",

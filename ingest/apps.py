@@ -15,9 +15,11 @@ class IngestConfig(AppConfig):
     urls_module = "ingest.urls"
 
     def ready(self) -> None:
+        from django.core.checks import register
         from django.db.models.signals import post_delete, post_save
 
         from deliveries import alerts, overview, retention
+        from deliveries.checks import on_readable_settings
         from deliveries.jobs import kinds
         from deliveries.prometheus import register_provider
 
@@ -29,8 +31,9 @@ class IngestConfig(AppConfig):
         from .queries import KIND
         from .retention import inbound_pruner
         from .selectors import inbound_overview
-        from .sources import forget_sources
+        from .sources import check_trusted_proxies, forget_sources
 
+        register(on_readable_settings(check_trusted_proxies))
         kinds.register(kinds.JobKind(KIND, process=inbound_process, schedule=inbound_schedule))
         register_provider("inbound", inbound_gauges)
         register_provider("polling", polling_gauges)

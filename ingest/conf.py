@@ -24,6 +24,10 @@ DEFAULTS: dict[str, object] = {
     "POLL_MAX_PAGES": 1000,
     "POLL_MAX_RESPONSE_BYTES": 16 * 1024 * 1024,
     "BACKFILL_RETRIES": 5,
+    # The reverse proxies (CIDRs) whose X-Forwarded-For the receive view believes: a
+    # request that one of them relays came from the last address the header names outside
+    # them (docs/deployment.md). Empty: REMOTE_ADDR, whatever any header says.
+    "INGEST_TRUSTED_PROXIES": (),
     # Inbound email (docs/inbound.md, "Email"): messages per minute accepted from one
     # envelope sender and for one recipient address (0: no limit); the checks' caps on a
     # message's MIME parts, their nesting, its attachments and each one's decoded size.

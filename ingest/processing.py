@@ -16,7 +16,7 @@ import time
 import traceback
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import NamedTuple
 
@@ -33,7 +33,15 @@ from ingest.conf import settings
 from . import mail
 from .handlers import InboundMessage, ParsedEvent, handlers_for
 from .models import HandlerRun, InboundEmail, InboundEvent, InboundState, Source
-from .queries import COMPLETE, KIND, LEASE, LOCK_VERSIONS, write_outbox
+from .queries import (
+    COMPLETE,
+    KIND,
+    LEASE,
+    LEASE_INLINE_BODY_BYTES,
+    LOCK_VERSIONS,
+    inline_body,
+    write_outbox,
+)
 from .schemes import Request, get_scheme
 
 logger = logging.getLogger("ingest")
@@ -166,6 +174,7 @@ def _lease(wanted: dict, *, token, until) -> list[_Leased]:
                 "dispatches": list(wanted.values()),
                 "token": token,
                 "until": until,
+                "inline_body_bytes": LEASE_INLINE_BODY_BYTES,
             }
         )
     return [
@@ -189,6 +198,8 @@ def _in_applying_order(ids: list[uuid.UUID]) -> list[tuple[_Leased, Source]]:
     events = (
         InboundEvent.objects.filter(id__in=ids)
         .select_related("source")
+        .defer("body")
+        .annotate(inline_body=inline_body(LEASE_INLINE_BODY_BYTES))
         .order_by(F("occurred_at").asc(nulls_first=True), "received_at")
     )
     return [
@@ -200,7 +211,7 @@ def _in_applying_order(ids: list[uuid.UUID]) -> list[tuple[_Leased, Source]]:
                 e.event_type,
                 e.entity_id,
                 e.occurred_at,
-                bytes(e.body),
+                None if e.inline_body is None else bytes(e.inline_body),
                 e.headers,
                 e.attempt_count,
             ),
@@ -348,15 +359,21 @@ def _apply_one(row: _Leased, source: Source, token: uuid.UUID, lock_key: str) ->
     return result
 
 
-def _parsed(rows: list[_Leased], sources: dict) -> list[ParsedEvent]:
-    """What the handlers of each event in ``rows`` are given: a ParsedEvent, or for
-    mail an InboundMessage, the stored message parsed again with its envelope."""
+def _parsed(rows: list[_Leased], sources: dict) -> Iterator[ParsedEvent]:
+    """What the handlers of each event in ``rows`` are given, one at a time as ``_apply``
+    reaches it: a ParsedEvent, or for mail an InboundMessage, the stored message parsed
+    again with its envelope. Made as they are applied, so that a batch holds one parsed
+    message (three times its size or more) at a time, and a body the lease left out
+    (over ``LEASE_INLINE_BODY_BYTES``) is read then; an error here is its event's."""
     schemes = {
         i: get_scheme(source.scheme, source.options or None) for i, source in sources.items()
     }
     emails = InboundEmail.objects.in_bulk([r.id for r in rows if schemes[r.source_id].is_email])
-    parsed: list[ParsedEvent] = []
     for r in rows:
+        if r.body is None:
+            r = r._replace(
+                body=bytes(InboundEvent.objects.values_list("body", flat=True).get(id=r.id))
+            )
         common = {
             "id": str(r.id),
             "source": sources[r.source_id].slug,
@@ -371,10 +388,10 @@ def _parsed(rows: list[_Leased], sources: dict) -> list[ParsedEvent]:
         email = emails.get(r.id)
         if email is None:
             payload = schemes[r.source_id].parse(Request(headers=r.headers, body=r.body))
-            parsed.append(ParsedEvent(payload=payload, **common))
+            yield ParsedEvent(payload=payload, **common)
             continue
         content = mail.read(r.body)
-        parsed.append(
+        yield (
             InboundMessage(
                 payload=content.message,
                 **common,
@@ -394,12 +411,11 @@ def _parsed(rows: list[_Leased], sources: dict) -> list[ParsedEvent]:
                 message=content.message,
             )
         )
-    return parsed
 
 
 def _apply(
     rows: list[_Leased],
-    parsed: list[ParsedEvent],
+    parsed: Iterable[ParsedEvent],
     sources: dict,
     keys: dict,
     token: uuid.UUID,

@@ -309,6 +309,11 @@ def email_receive(
                 **post.verdicts,
                 **mail.authentication_results(inspected.authentication_results, scheme.authserv_id),
             }
+    # Verdicts are the provider's fields or the DKIM check's reading of the message: text
+    # from outside, so cleaned like every other stored value (jsonb refuses NUL).
+    authentication = {
+        mail.clean(str(k))[:40]: mail.clean(str(v))[:200] for k, v in authentication.items()
+    }
     occurred = min(inspected.sent_at, now) if inspected and inspected.sent_at else now
     stored, new = [], []
     with transaction.atomic():
@@ -358,9 +363,9 @@ def email_receive(
                     for a in (inspected.attachments if inspected else ())
                 ],
                 authentication=authentication,
-                remote_addr=remote[:100],
+                remote_addr=mail.clean(remote)[:100],
                 tls=tls,
-                authenticated_as=authenticated_as[:200],
+                authenticated_as=mail.clean(authenticated_as)[:200],
                 rejected_reason=reason,
                 received_at=now,
             )

@@ -957,7 +957,7 @@ class EmailScheme(Scheme):
     def verify(
         self, request: Request, *, secrets: Sequence[str], now: float, tolerance: int = 300
     ) -> None:
-        if self.allow_ips and not _address_in(request.remote, self.allow_ips):
+        if self.allow_ips and not address_in(request.remote, self.allow_ips):
             raise VerificationFailed("ip_not_allowed")
         self._authenticate(request, secrets=secrets, now=now, tolerance=tolerance)
 
@@ -1001,7 +1001,9 @@ class EmailScheme(Scheme):
         raise NotImplementedError("a mail provider's post is built by post()")
 
 
-def _address_in(remote: str, networks: Sequence[Any]) -> bool:
+def address_in(remote: str, networks: Sequence[Any]) -> bool:
+    """Whether ``remote`` (an address as text; an IPv4-mapped IPv6 one as its IPv4) is in
+    one of ``networks``; False for text that is no address."""
     try:
         address = ipaddress.ip_address(remote)
     except ValueError:

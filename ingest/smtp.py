@@ -99,6 +99,21 @@ def refusal_reason(status: str) -> str | None:
     return None
 
 
+def quiet_library_log() -> None:
+    """Keep aiosmtpd's logger at WARNING unless the host gave it a level of its own.
+
+    At INFO it writes a line per SMTP command, and a host's root logger commonly takes
+    INFO: mail from the internet would fill the host's logs with whatever text peers
+    send. The listener logs what became of each message itself (``ingest.smtp``,
+    ``ingest``); a host that wants the session transcript sets ``mail.log``'s level in
+    its ``LOGGING``, and that level is left alone."""
+    # aiosmtpd's logger: at INFO a line for every command line a peer sends (its text
+    # verbatim) and every connection; at WARNING and above what went wrong in a session.
+    library = logging.getLogger("mail.log")
+    if library.level == logging.NOTSET:
+        library.setLevel(logging.WARNING)
+
+
 def dkim_resolver() -> Callable | None:
     """The DKIM key lookup ``SMTP_DKIM_RESOLVER`` names: None (no DKIM check), the
     system's resolver (``dns``), or a function(name, timeout) given by dotted path."""

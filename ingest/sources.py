@@ -2,12 +2,15 @@
 secrets. The receive view reads them through a per-process cache (``source_for``);
 refusals are counted per source and reason (``count_refusal``)."""
 
+import functools
 import hashlib
+import ipaddress
 import logging
 import time
 from collections.abc import Sequence
 from datetime import datetime
 
+from django.core.checks import Error
 from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
@@ -17,7 +20,7 @@ from deliveries.prometheus import INBOUND_REFUSED
 from ingest.conf import settings
 
 from .models import Source, SourceSecret, VerificationFailure
-from .schemes import get_scheme
+from .schemes import address_in, get_scheme
 
 logger = logging.getLogger("ingest")
 
@@ -147,7 +150,49 @@ def record_refusal(source: Source, reason: str, *, remote: str = "", n: int = 1)
 
 
 def _remote(request) -> str:
-    return request.META.get("REMOTE_ADDR", "") if request is not None else ""
+    return remote_address(request) if request is not None else ""
+
+
+def remote_address(request) -> str:
+    """The address a request to the receive view came from: its REMOTE_ADDR, unless that
+    is one of ``INGEST_TRUSTED_PROXIES``; then the last address in X-Forwarded-For that is
+    not one of them (what a client writes there itself sits before it, and is not read).
+    What an allow-list (a mail source's ``allow_ips``) and the stored evidence see."""
+    remote = request.META.get("REMOTE_ADDR", "")
+    proxies = trusted_proxies(tuple(settings.INGEST_TRUSTED_PROXIES))
+    if not proxies or not address_in(remote, proxies):
+        return remote
+    hops = request.META.get("HTTP_X_FORWARDED_FOR", "").split(",")
+    for hop in reversed([h.strip() for h in hops if h.strip()]):
+        if not address_in(hop, proxies):
+            return hop[:100]
+    return remote
+
+
+@functools.lru_cache(maxsize=8)
+def trusted_proxies(cidrs: tuple[str, ...]) -> tuple:
+    """The networks of ``INGEST_TRUSTED_PROXIES``; one that does not read is left out (no
+    proxy trusted by mistake) and named by the check ``ingest.E001``."""
+    networks = []
+    for cidr in cidrs:
+        try:
+            networks.append(ipaddress.ip_network(str(cidr).strip(), strict=False))
+        except ValueError:
+            continue
+    return tuple(networks)
+
+
+def check_trusted_proxies(app_configs, **kwargs) -> list[Error]:
+    """``ingest.E001``: every INGEST_TRUSTED_PROXIES entry is a network."""
+    problems = []
+    for cidr in settings.INGEST_TRUSTED_PROXIES:
+        try:
+            ipaddress.ip_network(str(cidr).strip(), strict=False)
+        except ValueError:
+            problems.append(
+                Error(f"INGEST_TRUSTED_PROXIES: {cidr!r} is not a network.", id="ingest.E001")
+            )
+    return problems
 
 
 # --- What verification reads of a source ---------------------------------------------

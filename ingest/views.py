@@ -126,12 +126,12 @@ def receive(request, slug: str):
     inbound = Request(
         headers={k.lower(): v for k, v in request.headers.items()},
         body=body,
-        remote=_remote(request),
+        remote=sources.remote_address(request),
         secure=request.is_secure(),
     )
     if source.verifier.is_email:
         return _mail_answer(receiving.email_post_receive(source=source, request=inbound))
-    outcome = receiving.inbound_receive(source=source, request=inbound, remote=_remote(request))
+    outcome = receiving.inbound_receive(source=source, request=inbound, remote=inbound.remote)
     if outcome.status == 401:
         # Generic on purpose: the reason is counted, not told to the caller.
         return _error(401, "unauthorized", "Signature verification failed.")
@@ -162,7 +162,3 @@ def _unstorable_header(request) -> bool:
     """A header name or value the stored event could not keep (``deliveries.text``).
     gunicorn refuses NUL in headers before the application runs; other servers may not."""
     return any(text_problem(name) or text_problem(value) for name, value in request.headers.items())
-
-
-def _remote(request) -> str:
-    return request.META.get("REMOTE_ADDR", "")

@@ -239,8 +239,5 @@ LOGGING = {
     "loggers": {
         "django.db.backends": {"level": "WARNING"},
         "aiohttp.access": {"level": "WARNING"},
-        # aiosmtpd logs every command line it reads at INFO, the peer's text verbatim:
-        # the listener logs what happened to each message itself (ingest.smtp, ingest).
-        "mail.log": {"level": "WARNING"},
     },
 }

@@ -15,8 +15,9 @@ from django.utils import timezone
 
 from deliveries.jobs.models import Outbox
 from deliveries.models import AuditEntry
-from ingest import handlers, mail
+from ingest import handlers, mail, schemes
 from ingest.models import InboundEmail, InboundEvent, SourceSecret, VerificationFailure
+from ingest.receiving import email_receive
 from ingest.schemes import get_scheme
 from ingest.sources import source_create
 from tests.conftest import drain, scrape, value
@@ -40,7 +41,7 @@ def provider(request):
 
 
 def post(source, raw, *, recipients=("support@example.com",), secret=None, timestamp=None,
-         mail_from="ann@example.org", secure=True, remote="203.0.113.9"):  # fmt: skip
+         mail_from="ann@example.org", secure=True, remote="203.0.113.9", **meta):  # fmt: skip
     scheme = get_scheme(source.scheme, source.options)
     body, headers = scheme.post(
         raw=raw,
@@ -59,6 +60,7 @@ def post(source, raw, *, recipients=("support@example.com",), secret=None, times
         content_type=headers["content-type"],
         secure=secure,
         **extra,
+        **meta,
     )
 
 
@@ -152,6 +154,37 @@ def test_basic_auth_is_refused_over_plain_http_and_outside_the_allow_list(provid
     assert post(provider, message()).status_code == 401
     assert post(provider, message(), remote="198.51.100.7").status_code == 200
     assert refusals(provider) == {"insecure_transport": 1, "ip_not_allowed": 1}
+
+
+@pytest.mark.parametrize("provider", ["sendgrid"], indirect=True)
+def test_the_allow_list_sees_the_address_a_trusted_proxy_names(provider, settings):
+    """Behind the shipped nginx every post comes from the proxy's address; the provider's
+    is the last one X-Forwarded-For names outside INGEST_TRUSTED_PROXIES."""
+    provider.options = {**provider.options, "allow_ips": ["198.51.100.0/24"]}
+    provider.save()
+
+    def relayed(forwarded_for, remote="127.0.0.1"):
+        return post(provider, message(), remote=remote, HTTP_X_FORWARDED_FOR=forwarded_for)
+
+    assert relayed("198.51.100.7").status_code == 401  # no proxy trusted: 127.0.0.1 posted
+    settings.INGEST_TRUSTED_PROXIES = ["127.0.0.0/8", "10.0.0.0/8"]
+    assert relayed("198.51.100.7").status_code == 200
+    assert relayed("198.51.100.7, 10.1.2.3").status_code == 200  # through two proxies
+    # What the client wrote itself comes first; the address its proxy saw, last.
+    assert relayed("198.51.100.7, 203.0.113.9").status_code == 401
+    # A header from a client no proxy relayed is not read at all.
+    assert relayed("198.51.100.7", remote="203.0.113.9").status_code == 401
+    assert relayed("not an address").status_code == 401
+    assert refusals(provider) == {"ip_not_allowed": 4}
+    assert set(InboundEmail.objects.values_list("remote_addr", flat=True)) == {"198.51.100.7"}
+
+
+def test_a_trusted_proxy_that_is_no_network_fails_the_check(settings):
+    from django.core.checks import run_checks
+
+    settings.INGEST_TRUSTED_PROXIES = ["10.0.0.0/8", "proxy.internal"]
+    errors = [e for e in run_checks() if e.id == "ingest.E001"]
+    assert [e.msg for e in errors] == ["INGEST_TRUSTED_PROXIES: 'proxy.internal' is not a network."]
 
 
 @pytest.mark.parametrize("provider", ["mailgun"], indirect=True)
@@ -249,6 +282,64 @@ def test_sendgrids_own_fields_are_recorded_beside_them():
     }
 
 
+def test_a_providers_verdict_holding_nul_is_stored_escaped_not_a_500():
+    source_create(slug="sg", scheme="sendgrid", secrets=[CREDENTIAL])
+    body, content_type = schemes._multipart(
+        [
+            ("envelope", b'{"to": ["support@example.com"], "from": "ann@example.org"}'),
+            ("SPF", b"pa\x00ss"),
+            ("email", message()),
+        ]
+    )
+    r = Client().post(
+        "/ingest/sg/",
+        body,
+        content_type=content_type,
+        secure=True,
+        HTTP_AUTHORIZATION=get_scheme("sendgrid")._authorization(CREDENTIAL),
+    )
+    assert (r.status_code, r.json()["status"]) == (200, "accepted")
+    assert InboundEmail.objects.get().authentication == {"spf": "pa\\x00ss", "by": "sendgrid"}
+
+
+def _stored_text(email: InboundEmail) -> list[str]:
+    """Every text value of the stored email and its event, JSON columns included."""
+    event = email.event
+    found = [event.event_id, event.event_type, event.entity_id, event.last_error]
+    for f in InboundEmail._meta.concrete_fields:
+        value = getattr(email, f.attname)
+        found += [value] if isinstance(value, str) else []
+        found += [str(v) for v in value] if isinstance(value, list) else []
+        found += [f"{k}{v}" for k, v in value.items()] if isinstance(value, dict) else []
+    return found
+
+
+@pytest.mark.parametrize("transport", ["smtp", "sendgrid"])
+def test_text_from_outside_is_stored_cleaned_wherever_it_lands(transport):
+    """NUL and lone surrogates (no text or jsonb column takes them) in every value a
+    transport hands the store besides the message: the message is stored, never lost
+    to a database error."""
+    poison = "x\x00\ud800y"
+    source = source_create(slug="m", scheme=transport, secrets=[], options={"addresses": ADDRESSES})
+    received = email_receive(
+        source=source,
+        post=schemes.MailPost(
+            raw=message(),
+            recipients=("support@example.com",),
+            mail_from="ann@example.org",
+            verdicts={"spf": poison, poison: "pass"},
+        ),
+        transport=transport,
+        remote=poison,
+        authenticated_as=poison,
+        evidence={"dkim": poison, "dkim_domain": poison},
+    )
+    assert received.outcome == "accepted"
+    stored = _stored_text(InboundEmail.objects.get())
+    assert any("x\\x00\ufffdy" in text for text in stored)
+    assert not [t for t in stored if "\x00" in t or any(0xD800 <= ord(c) <= 0xDFFF for c in t)]
+
+
 # --- The checks hostile mail meets (ingest.mail, no database) ----------------------------
 
 
@@ -300,6 +391,42 @@ def test_each_rule_refuses_with_its_reason(reason):
     with pytest.raises(mail.Rejected) as refused:
         mail.inspect(REFUSED[reason], limits)
     assert refused.value.reason == reason.split()[0]
+
+
+def _part_bomb(parts: int, *, boundary: bytes = b"boundary=b", newline: bytes = b"\r\n") -> bytes:
+    head = b"From: a@example.org\r\nMIME-Version: 1.0\r\nContent-Type: multipart/mixed; "
+    return (head + boundary + b"\r\n\r\n").replace(b"\r\n", newline) + (
+        b"--b" + newline + newline + b"x" + newline
+    ) * parts
+
+
+PART_BOMBS = {
+    "crlf": _part_bomb(20_000),
+    "lf": _part_bomb(20_000, newline=b"\n"),
+    "lone cr": _part_bomb(20_000, newline=b"\r"),
+    # Boundaries a byte pattern cannot read: every line starting with "--" counts.
+    "rfc 2231 encoding": _part_bomb(500, boundary=b"boundary*=utf-8''%62"),  # "b"
+    "quoted pair": _part_bomb(20_000, boundary=b'boundary="\\b"'),
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(PART_BOMBS))
+def test_a_part_bomb_is_refused_on_its_bytes_before_it_is_parsed(spelling):
+    with pytest.raises(mail.Rejected) as refused:
+        mail.inspect(PART_BOMBS[spelling], mail.Limits())
+    assert refused.value.reason == "too_many_parts"
+    assert refused.value.detail.endswith("delimiter lines before parsing")
+
+
+def test_lines_starting_with_dashes_in_a_body_are_not_parts():
+    comments = b"-- a comment\r\nselect 1;\r\n" * 5000  # an SQL script, pasted
+    plain = message(body=comments.decode())
+    multipart = _attached(("a.txt", b"x"), ("b.txt", b"y"))
+    boundary = mail.parse(multipart).get_boundary().encode()
+    with_script = multipart.replace(b"see attached", b"see attached\n" + comments, 1)
+    assert with_script.count(b"--" + boundary) == 4
+    for raw in (plain, with_script):
+        assert len(mail.inspect(raw, mail.Limits()).attachments) == (0 if raw is plain else 2)
 
 
 def test_a_single_archive_and_ordinary_mail_pass():
@@ -357,6 +484,50 @@ def test_an_email_handler_gets_a_typed_message_in_date_order_per_entity(provider
 
 
 @WITH_WORKERS
+@pytest.mark.parametrize("batch", ["committed", "rolled back"])
+def test_a_message_over_the_leases_inline_size_reaches_its_handler_whole(received, batch):
+    """The lease leaves out bodies over LEASE_INLINE_BODY_BYTES; each is read when its
+    event is applied, in a batch and one by one (after another event's handler failed)."""
+    from email.message import EmailMessage
+
+    from ingest.queries import LEASE_INLINE_BODY_BYTES
+
+    source = source_create(slug="mx", scheme="smtp", secrets=[], options={"addresses": ADDRESSES})
+    scan = bytes(range(256)) * (LEASE_INLINE_BODY_BYTES // 256 + 1)
+    big = EmailMessage()
+    big["From"], big["To"], big["Subject"] = "a@example.org", "support@example.com", "scan"
+    big.set_content("attached")
+    big.add_attachment(scan, maintype="application", subtype="pdf", filename="scan.pdf")
+    subjects = ["scan", "note"] + (["boom"] if batch == "rolled back" else [])
+
+    @handlers.handler("email", "support@example.com")
+    def fails_on_boom(message):
+        if message.subject == "boom":
+            raise RuntimeError("boom")
+
+    try:
+        for subject in subjects:
+            raw = big.as_bytes() if subject == "scan" else message(subject=subject)
+            email_receive(
+                source=source,
+                post=schemes.MailPost(raw, ("support@example.com",), "a@example.org"),
+                transport="smtp",
+            )
+        drain()
+    finally:
+        handlers.REGISTRY.remove(next(r for r in handlers.REGISTRY if r.func is fails_on_boom))
+    runs = [m for m in received if m.subject == "scan"]  # twice if its batch rolled back
+    assert runs and len(big.as_bytes()) > LEASE_INLINE_BODY_BYTES
+    for scanned in runs:
+        assert scanned.body == big.as_bytes()
+        assert [(a.filename, a.payload) for a in scanned.attachments] == [("scan.pdf", scan)]
+    states = dict(InboundEvent.objects.values_list("email__subject", "state"))
+    assert states == {"scan": "processed", "note": "processed"} | (
+        {"boom": "pending"} if batch == "rolled back" else {}
+    )
+
+
+@WITH_WORKERS
 def test_an_older_email_arriving_later_still_runs(received):
     source = source_create(slug="pm", scheme="postmark", secrets=[CREDENTIAL])
     late = message(
@@ -405,7 +576,8 @@ def test_the_raw_message_is_kept_under_the_inbound_retention(provider, settings)
 @WITH_WORKERS
 @pytest.mark.parametrize("provider", ["mailgun"], indirect=True)
 def test_the_admin_shows_an_email_and_reprocesses_it_with_its_own_permission(provider):
-    post(provider, message(subject="Where is my order"))
+    # With LF line ends, as a provider may post it.
+    post(provider, message(subject="Where is my order").replace(b"\r\n", b"\n"))
     drain()
     email = InboundEmail.objects.get()
     viewer = User.objects.create_user("viewer", is_staff=True)
@@ -421,6 +593,8 @@ def test_the_admin_shows_an_email_and_reprocesses_it_with_its_own_permission(pro
     as_operator.force_login(operator)
     page = as_viewer.get(url).content.decode()
     assert "Where is my order" in page and "It is on fire." in page and "ann@example.org" in page
+    headers = page.split('class="form-row field-raw_headers', 1)[1].split("</pre>", 1)[0]
+    assert "Subject: Where is my order" in headers and "It is on fire." not in headers
     listing = as_viewer.get(changelist).content.decode()
     assert "Where is my order" in listing and "reprocess" not in listing
     action = {"action": "reprocess", "_selected_action": [str(email.pk)]}
@@ -472,3 +646,5 @@ def test_create_source_makes_mail_sources():
         call_command("create_source", "pm", "--scheme", "postmark")
     call_command("create_source", "pm", "--scheme", "postmark", "--secret", CREDENTIAL, stdout=out)
     assert Source.objects.get(slug="pm").max_body_bytes == 25 * 1024 * 1024
+    call_command("create_source", "mg", "--scheme", "mailgun", "--secret", "key-1", stdout=out)
+    assert out.getvalue().endswith("POST /ingest/mg/mime\n")  # where its raw post goes

@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from deliveries.jobs.models import EntityLock
 from ingest.models import EntityVersion, HandlerRun, InboundEvent
-from ingest.queries import COMPLETE, LEASE, LOCK_VERSIONS
+from ingest.queries import COMPLETE, LEASE, LEASE_INLINE_BODY_BYTES, LOCK_VERSIONS
 from ingest.receiving import NewEvent, inbound_store_many
 from ingest.sources import source_create
 
@@ -28,7 +28,7 @@ def events():
     return list(InboundEvent.objects.order_by("event_id"))
 
 
-def lease(events, token, dispatches=None):
+def lease(events, token, dispatches=None, inline_body_bytes=LEASE_INLINE_BODY_BYTES):
     with transaction.atomic():
         return LEASE(
             {
@@ -36,6 +36,7 @@ def lease(events, token, dispatches=None):
                 "dispatches": dispatches or [e.dispatch_count for e in events],
                 "token": token,
                 "until": timezone.now() + timedelta(minutes=1),
+                "inline_body_bytes": inline_body_bytes,
             }
         )
 
@@ -51,6 +52,16 @@ def test_a_lease_returns_what_processing_reads_for_the_dispatch_named_only(event
     assert row[8] == 1  # the attempt this lease starts
     assert InboundEvent.objects.get(id=first.id).state == "processing"
     assert InboundEvent.objects.get(id=second.id).state == "enqueued"
+
+
+def test_a_lease_leaves_out_a_body_over_the_inline_size(events):
+    second = events[1]
+    InboundEvent.objects.filter(id=second.id).update(body=b"x" * 9)
+    rows = sorted(lease(events, uuid.uuid4(), inline_body_bytes=8), key=lambda r: r[2])
+    assert [(r[2], None if r[6] is None else bytes(r[6])) for r in rows] == [
+        ("evt_0", b'{"n": 1}'),  # 8 bytes: within
+        ("evt_1", None),  # read when its event is applied
+    ]
 
 
 def test_a_batch_is_recorded_in_one_call_and_a_lost_lease_is_told(events):

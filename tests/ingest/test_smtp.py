@@ -4,6 +4,7 @@ the commit and the answer, SIGTERM)."""
 
 import base64
 import datetime
+import logging
 import smtplib
 import ssl
 import threading
@@ -18,6 +19,7 @@ from django.db import connection
 
 from deliveries.jobs.models import Outbox
 from ingest.models import InboundEmail, InboundEvent, SourceSecret, VerificationFailure
+from ingest.smtp import quiet_library_log
 from tests.conftest import subprocess_env
 from tests.ingest.conftest import message, smtp_client, smtp_listener
 
@@ -76,6 +78,37 @@ def test_each_accepted_recipient_gets_its_own_event(listener):
     assert {tuple(e.recipients) for e in InboundEmail.objects.all()} == {
         ("support@example.com", "orders@inbound.example.com")
     }
+
+
+def test_a_message_id_is_stored_once_per_recipient_however_the_copies_are_split(listener):
+    """A sender's retry may carry all the recipients again, some of them, or a new one
+    (an MTA splits and regroups them): each address keeps one event, every copy of it
+    counted on it."""
+    raw = message(to="support@example.com, orders@inbound.example.com", message_id="<r@x>")
+    replies = []
+    with smtp_client(listener.bound_port) as client:
+        client.ehlo()
+        for recipients in (
+            ["support@example.com", "orders@inbound.example.com"],
+            ["orders@inbound.example.com", "support@example.com"],  # all again
+            ["support@example.com"],  # one of them again
+            ["support@example.com", "billing@inbound.example.com"],  # and a new one
+        ):
+            client.mail("ann@example.org")
+            for recipient in recipients:
+                client.rcpt(recipient)
+            replies.append(client.data(raw))
+    assert [code for code, _ in replies] == [250] * 4
+    stored = dict(InboundEvent.objects.values_list("event_type", "duplicates"))
+    assert stored == {
+        "support@example.com": 3,
+        "orders@inbound.example.com": 1,
+        "billing@inbound.example.com": 0,
+    }
+    assert InboundEmail.objects.filter(message_id="r@x").count() == 3
+    assert stored_with_job(InboundEvent.objects.values_list("id", flat=True)) == set(
+        InboundEvent.objects.values_list("id", flat=True)
+    )
 
 
 def test_a_recipient_not_configured_is_refused_at_rcpt(smtp_source):
@@ -142,6 +175,11 @@ HOSTILE = {
         b'Content-Type: multipart/mixed; boundary="b1"\r\n\r\nno boundary ever\r\n'
     ),
     "nested_archive": _with_attachment("outer.zip", _zip("inner.zip", _zip("x.txt", b"x"))),
+    # 1 MiB of empty parts: refused on its bytes at once, where parsing first took ~12 s.
+    "too_many_parts": (
+        b"From: ann@example.org\r\nTo: support@example.com\r\nMIME-Version: 1.0\r\n"
+        b"Content-Type: multipart/mixed; boundary=b\r\n\r\n" + b"--b\r\n\r\nx\r\n" * 100_000
+    ),
 }
 
 
@@ -337,6 +375,20 @@ def test_stopping_lets_a_message_being_stored_finish_and_tells_the_rest_421(smtp
     idle.close()
 
 
+def test_aiosmtpds_command_log_is_quieted_unless_the_host_set_its_level():
+    library = logging.getLogger("mail.log")  # aiosmtpd's
+    saved = library.level
+    try:
+        library.setLevel(logging.NOTSET)
+        quiet_library_log()
+        assert library.getEffectiveLevel() == logging.WARNING
+        library.setLevel(logging.DEBUG)  # a host's LOGGING named it: its choice stands
+        quiet_library_log()
+        assert library.level == logging.DEBUG
+    finally:
+        library.setLevel(saved)
+
+
 # --- The real process: kill -9 between the commit and the answer, SIGTERM ---------------
 
 
@@ -392,6 +444,10 @@ def test_a_listener_killed_before_its_answer_loses_nothing_it_acknowledged(smtp_
     stored = set(InboundEmail.objects.values_list("message_id", flat=True))
     assert set(acknowledged) <= stored
     assert InboundEvent.objects.get(event_id__startswith="<first@").duplicates == 1
+    # The project's LOGGING takes INFO at the root and names no level for aiosmtpd, as a
+    # host's may: run_smtp keeps its line per SMTP command out of the logs.
+    log = running.stderr.read_text()
+    assert '"action": "ingest.email"' in log and '"logger": "mail.log"' not in log
 
     # SIGTERM: an idle session is told 421 and the process exits cleanly.
     stopping, port = _start(commands, subprocess_env())

@@ -56,5 +56,8 @@ class Command(BaseCommand):
             raise CommandError(f"a source named {slug!r} exists already") from exc
         if scheme == "smtp":
             self.stdout.write(f"Created source {slug} (smtp): manage.py run_smtp --source {slug}")
+        elif scheme == "mailgun":
+            # Mailgun posts the raw message only to a URL ending in "mime".
+            self.stdout.write(f"Created source {slug} (mailgun): POST /ingest/{slug}/mime")
         else:
             self.stdout.write(f"Created source {source.slug} ({scheme}): POST /ingest/{slug}/")

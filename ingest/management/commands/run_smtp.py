@@ -6,7 +6,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from deliveries.jobs.loop import StopFlag, recorded_run
 from ingest.models import Source
-from ingest.smtp import Listener
+from ingest.smtp import Listener, quiet_library_log
 
 logger = logging.getLogger("ingest.smtp")
 
@@ -30,6 +30,7 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args, source="", host=None, port=None, **options):
+        quiet_library_log()
         slug = source or self._only_source()
         listener = Listener(slug, host=host, port=port)
 
