@@ -298,6 +298,19 @@ def cpu_over_bare_loop(bare: dict, service: dict, n: int) -> dict | None:
     }
 
 
+def cpu_summary(systems: dict[str, list[dict]], n: int) -> dict:
+    """``cpu_over_bare_loop`` of each repeat (``runs``), then the median of each figure
+    and whether the median ratio meets CPU_TARGET."""
+    runs = [
+        c
+        for bare, service in zip(systems["bare aiohttp loop"], systems["service"], strict=False)
+        if (c := cpu_over_bare_loop(bare, service, n))
+    ]
+    out: dict = {"runs": runs, **{k: median(c[k] for c in runs) for k in (runs[0] if runs else {})}}
+    out["meets"] = bool(runs and out["ratio"] <= CPU_TARGET)
+    return out
+
+
 def spread_check(run: dict, n: int, workers: int) -> dict:
     """Each worker process's share of the N attempts (0 for one that took none), once
     every delivery is known to have gone out once: a run where one was sent twice, or
@@ -386,11 +399,6 @@ def scenario_throughput(ctx: dict) -> dict:
             ceilings.append(c)
         if b := design_bound(bare, signed, service, [service, floor], n, cores):
             bounds.append(b)
-    cpu_ratios = [
-        c
-        for bare, service in zip(systems["bare aiohttp loop"], systems["service"], strict=False)
-        if (c := cpu_over_bare_loop(bare, service, n))
-    ]
     ratios = {
         "service_over_bare_loop": ratio_in_run("bare aiohttp loop"),
         "redis_broker_over_bare_loop": ratio_in_run("bare aiohttp loop", of=SERVICE_REDIS),
@@ -418,11 +426,7 @@ def scenario_throughput(ctx: dict) -> dict:
             "redis_broker_env": REDIS_BROKER_ENV,
             "spread_workers": SPREAD_WORKERS,
         },
-        # Per repeat, then the median ratio.
-        "cpu_over_bare_loop": {
-            "runs": cpu_ratios,
-            **{k: median(c[k] for c in cpu_ratios) for k in (cpu_ratios[0] if cpu_ratios else {})},
-        },
+        "cpu_over_bare_loop": cpu_summary(systems, n),
         "median_per_second": med,
         "fastest_peer": fastest,
         "ratios": ratios,
@@ -441,9 +445,6 @@ def scenario_throughput(ctx: dict) -> dict:
             "cpu_over_bare_loop": CPU_TARGET,
         },
         "meets": {
-            "cpu_over_bare_loop": bool(
-                cpu_ratios and median(c["ratio"] for c in cpu_ratios) <= CPU_TARGET
-            ),
             "service_over_bare_loop": bool(
                 ratios["service_over_bare_loop"] and ratios["service_over_bare_loop"] >= 0.5
             ),
@@ -960,11 +961,15 @@ async def inbound_load(url: str, n: int, concurrency: int = 32) -> dict:
 
 # --- Growth --------------------------------------------------------------------------
 
+# Ids in creation order, as the product's time-ordered (version 7) ids are: each row's
+# index entries go to the right-hand end, as publishing leaves them (random ids would
+# make seeding 10,000,000 rows a matter of hours, not minutes).
 SEED_SQL = """
 WITH ep AS (SELECT %(eps)s::uuid[] AS eps, %(tens)s::uuid[] AS tens)
 INSERT INTO deliveries_event (id, tenant_id, event_type, payload_version, entity_id, body,
                               priority, idempotency_key, request_hash, created_at)
-SELECT md5('ev' || g)::uuid, tens[1 + g %% cardinality(eps)], 'bench.event', 1, '',
+SELECT ('e0000000-0000-7000-8000-' || lpad(to_hex(g), 12, '0'))::uuid,
+       tens[1 + g %% cardinality(eps)], 'bench.event', 1, '',
        convert_to('{"seq":' || g || '}', 'UTF8'), 0, NULL, '', now() - interval '1 hour'
 FROM generate_series(0, %(n)s - 1) g, ep
 """
@@ -973,7 +978,9 @@ WITH ep AS (SELECT %(eps)s::uuid[] AS eps, %(tens)s::uuid[] AS tens)
 INSERT INTO deliveries_delivery (id, event_id, endpoint_id, tenant_id, state, priority,
     next_attempt_at, attempt_count, policy_attempts, dispatch_count, lease_expiries,
     last_outcome, last_error, created_at, updated_at)
-SELECT md5('dl' || g)::uuid, md5('ev' || g)::uuid, eps[1 + g %% cardinality(eps)],
+SELECT ('d0000000-0000-7000-8000-' || lpad(to_hex(g), 12, '0'))::uuid,
+       ('e0000000-0000-7000-8000-' || lpad(to_hex(g), 12, '0'))::uuid,
+       eps[1 + g %% cardinality(eps)],
        tens[1 + g %% cardinality(eps)], 'pending', 0,
        now() - interval '1 hour' + interval '1 ms' * (g %% 3600000), 0, 0, 0, 0, '', '',
        now() - interval '1 hour', now() - interval '1 hour'
@@ -1333,10 +1340,11 @@ def throughput_variants_markdown(tp: dict) -> list[str]:
             "webhook-ids: none sent twice.",
             "",
         ]
-    cpu = tp.get("cpu_over_bare_loop") or {}
+    # Results recorded before the figure was reported hold what it is computed from.
+    cpu = tp.get("cpu_over_bare_loop") or cpu_summary(runs, tp["events"])
     if cpu.get("ratio") is not None:
         each = ", ".join(fmt(c["ratio"], 2) for c in cpu["runs"])
-        verdict = "met" if tp["meets"].get("cpu_over_bare_loop") else "NOT met"
+        verdict = "met" if cpu["meets"] else "NOT met"
         lines += [
             f"CPU per delivery ÷ the bare loop's CPU per request: **{fmt(cpu['ratio'], 2)}** "
             f"(repeats {each}; target ≤ {CPU_TARGET}: {verdict}): "
