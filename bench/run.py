@@ -476,7 +476,10 @@ JOB_WORKLOADS = ("noop", "post")
 SERVICE_SYNC = "service, sync job"
 SERVICE_UNPREPARED = "service, DATABASE_PREPARE_THRESHOLD=0"
 # Jobs run at once per run_jobs process (one process per core), per workload: the best
-# of 16 to 5,000 in runs of N = 20,000 on the machine of docs/benchmarks.md.
+# of 16 to 5,000 in runs of N = 20,000 on the machine of docs/benchmarks.md, for async
+# jobs that hold no connection. The default, JOBS_CONCURRENCY 16, is for a host's jobs,
+# whose plain functions run in a pool of that many threads, each with its own database
+# connection.
 JOBS_CONCURRENCY = {"noop": 1000, "post": 128}
 JOBS_TARGETS = {"service_over_fastest_peer": 4.0, "service_over_skip_locked": 0.5}
 # Scenarios written to a results file of their own (bench/results/<stem>.json, .md, .png);
