@@ -50,6 +50,7 @@ sys.path.insert(0, str(BENCH))
 
 import outbound as ob  # noqa: E402 - bench/ is not a package
 import peak_rss  # noqa: E402
+from peers.common import REDIS_URL as PEERS_REDIS_URL  # noqa: E402
 
 RESULTS = BENCH / "results"
 PEERS = {
@@ -90,7 +91,7 @@ SERVICE_CONCURRENCY = BARE_CONCURRENCY
 # flushed before each run), the relay publishing to it.
 REDIS_BROKER_ENV = {
     "QUEUE_BROKER_CLASS": "django_q.brokers.redis_broker.Redis",
-    "REDIS_URL": f"redis://127.0.0.1:6379/{os.environ.get('BENCH_REDIS_DB', '7')}",
+    "REDIS_URL": PEERS_REDIS_URL,
 }
 SERVICE_REDIS = "service, Redis broker"
 # Worker processes dividing the work with no coordination but the database.
