@@ -8,7 +8,10 @@ queue is empty, posting to ``bench/receiver.py``. So every statement runs in its
 with the batches a loaded pipeline runs it with (pages of ``SCHEDULER_PAGE_SIZE`` and
 ``RELAY_PAGE_SIZE``, takes of ``WORKER_BATCH_SIZE``), in rounds of the three loops until
 every delivery has succeeded (admission stops at ``DELIVERY_MAX_IN_FLIGHT``). The
-endpoint and tenant ceilings are the throughput scenario's (``bench/run.py``).
+endpoint and tenant ceilings are the throughput scenario's (``bench/run.py``). Then the
+host's background jobs the same way: N no-op jobs ``enqueue``d in transactions of 1,000
+(stage ``enqueue``), run by the real ``JobWorker`` (``JOBS_CONCURRENCY``) until none is
+left (stage ``jobs``); their figures are per job.
 
 Every named ``Statement`` of the modules in ``STATEMENT_MODULES`` is found by name at
 start (a statement that is gone is simply not reported; one that appears is), and each
@@ -49,7 +52,16 @@ STATEMENT_MODULES = (
     "deliveries.jobs.job_queries",
     "ingest.queries",
 )
-STAGES = ("publish", "scheduler", "relay", "worker")
+DELIVERY_STAGES = ("publish", "scheduler", "relay", "worker")
+JOB_STAGES = ("enqueue", "jobs")
+STAGES = DELIVERY_STAGES + JOB_STAGES
+NOOP_JOB = "bench.statements.noop"
+
+
+async def noop() -> None:
+    """The no-op job: what a job costs the machinery, and nothing else."""
+
+
 COMMIT = "COMMIT"
 
 
@@ -209,6 +221,40 @@ def run_once(n: int, receiver, tally: Tally) -> dict:
     counts = receiver.counts()
     if succeeded != n or counts["distinct_webhook_ids"] != n or counts["requests"] != n:
         raise ob.BenchError(f"{succeeded} of {n} succeeded; the receiver counted {counts}")
+    seconds.update(run_jobs(n, tally))
+    return seconds
+
+
+def run_jobs(n: int, tally: Tally) -> dict:
+    """N no-op jobs enqueued, then run by the real JobWorker until none is left."""
+    from django.db import transaction
+
+    from deliveries.jobs.background import JOB_TYPES, enqueue, job
+    from deliveries.jobs.models import Job, JobRun
+    from deliveries.jobs.runner import JobWorker
+
+    if NOOP_JOB not in JOB_TYPES:
+        job(NOOP_JOB, queue="default")(noop)
+    tally.stage = "setup"
+    ob.sql(f"TRUNCATE {Job._meta.db_table}, {JobRun._meta.db_table}")
+    seconds = {}
+    started = time.perf_counter()
+    tally.stage = "enqueue"
+    for start in range(0, n, ob.PUBLISH_BATCH):
+        with transaction.atomic():
+            for _ in range(start, min(n, start + ob.PUBLISH_BATCH)):
+                enqueue(NOOP_JOB)
+    seconds["enqueue"] = round(time.perf_counter() - started, 3)
+    tally.stage = "between"
+    ob.sql(f"ANALYZE {Job._meta.db_table}")  # as the jobs scenario does
+    started = time.perf_counter()
+    tally.stage = "jobs"
+    JobWorker(queues=["default"]).run(until_idle=True)
+    seconds["jobs"] = round(time.perf_counter() - started, 3)
+    tally.stage = "between"
+    done = Job.objects.filter(state="done").count()
+    if done != n:
+        raise ob.BenchError(f"jobs: {done} of {n} done")
     return seconds
 
 
@@ -238,8 +284,9 @@ def summarize(runs: list[dict[tuple[str, str], list[int]]], n: int) -> list[dict
 def markdown(result: dict) -> str:
     n = result["events"]
     lines = [
-        f"Statements per delivery, N = {n:,} to one endpoint, median of "
-        f"{result['repeat']} repeat(s); µs from the client (round trip included).",
+        f"Statements per delivery, N = {n:,} to one endpoint (then N no-op background "
+        f"jobs: per job), median of {result['repeat']} repeat(s); µs from the client "
+        "(round trip included).",
         "",
         "| stage | statement | calls | per delivery | µs per call | µs per delivery |",
         "| --- | --- | ---: | ---: | ---: | ---: |",
@@ -263,10 +310,12 @@ def totals(rows: list[dict]) -> dict:
         t = out.setdefault(r["stage"], {"per_delivery": 0.0, "us_per_delivery": 0.0})
         t["per_delivery"] = round(t["per_delivery"] + r["per_delivery"], 4)
         t["us_per_delivery"] = round(t["us_per_delivery"] + r["us_per_delivery"], 2)
-    out["all stages"] = {
-        k: round(sum(t[k] for t in list(out.values())), 4)
-        for k in ("per_delivery", "us_per_delivery")
-    }
+    for label, stages in (("a delivery", DELIVERY_STAGES), ("a job", JOB_STAGES)):
+        mine = [out[stage] for stage in stages if stage in out]
+        if mine:
+            out[label] = {
+                k: round(sum(t[k] for t in mine), 4) for k in ("per_delivery", "us_per_delivery")
+            }
     return out
 
 

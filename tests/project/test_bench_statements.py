@@ -48,7 +48,8 @@ def test_the_figures_are_per_delivery_medians_over_the_repeats():
         "us_per_call": 2000.0,
         "us_per_delivery": 40.0,  # 4,000 µs over 100 deliveries
     }
-    assert statements.totals(rows)["all stages"] == {"per_delivery": 0.02, "us_per_delivery": 40.0}
+    assert statements.totals(rows)["a delivery"] == {"per_delivery": 0.02, "us_per_delivery": 40.0}
+    assert "a job" not in statements.totals(rows)
 
 
 def test_savepoints_are_one_row_whatever_their_names():
@@ -76,6 +77,9 @@ def test_a_run_counts_each_stage_statements_and_delivers_every_event():
     assert calls[("worker", "deliveries.LEASE")] >= 1
     assert calls[("worker", "deliveries.SUCCEED")] >= 1
     assert calls[("worker", "COMMIT")] >= 1
+    assert calls[("enqueue", "deliveries.jobs.INSERT_JOB")] >= 1
+    assert calls[("jobs", "deliveries.jobs.CLAIM_JOBS")] >= 1
+    assert calls[("jobs", "deliveries.jobs.RECORD_JOBS")] >= 1
     # Undone: a statement called now is not counted.
     from deliveries import queries
 
