@@ -60,14 +60,16 @@ $(VENV)/.bench-installed: requirements/bench.txt requirements/dev.txt requiremen
 
 ## make bench: every script a target in docs/benchmarks.md comes from: the admin at 1M
 ## rows, the harness (bench/run.py: throughput against the bare limits and the peers,
-## latency, inbound, growth, background jobs), the inbound acknowledgement ramp, backfill
-## memory and slow clients (about 80 minutes in all; results in bench/results/).
+## latency, inbound, growth, background jobs), the fast path's statements per delivery,
+## the inbound acknowledgement ramp, backfill memory and slow clients (about 90 minutes in
+## all; results in bench/results/).
 ## make bench BENCH_ARGS=--quick: the harness with small N and one repeat.
 bench: $(VENV)/.bench-installed
 	@set -e; export DATABASE_URL="$$(scripts/ensure_postgres.sh)"; \
 	scripts/ensure_redis.sh; \
 	$(PY) bench/admin_log.py; \
 	$(PY) bench/run.py $(BENCH_ARGS); \
+	$(PY) bench/statements.py; \
 	$(PY) bench/ingest.py $(INGEST_BENCH_ARGS); \
 	DATABASE_URL="$${DATABASE_URL%/*}/webhooks_bench_backfill" $(PY) bench/backfill_memory.py; \
 	$(PY) bench/slow_clients.py

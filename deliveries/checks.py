@@ -83,6 +83,9 @@ def check_delivery_settings(app_configs, **kwargs):
         )
     if settings.WORKER_SHUTDOWN_GRACE < 0:
         errors.append(Error("WORKER_SHUTDOWN_GRACE must not be negative.", id="deliveries.E020"))
+    for name in ("WORKER_LANES", "WORKER_BATCH_SIZE", "WORKER_CONCURRENCY"):
+        if getattr(settings, name) < 1:
+            errors.append(Error(f"{name} must be at least 1.", id="deliveries.E021"))
     from .jobs.broker import QUEUES_SHARED, broker_class, shares_tasks_queue
 
     if shares_tasks_queue():

@@ -68,15 +68,17 @@ DEFAULTS: dict[str, object] = {
     "DELIVERY_ENDPOINT_MAX_CONCURRENCY": 500,
     # The loops: rows per transaction, the longest idle wait, the lost-dispatch sweep, the
     # relay's claim on the rows it publishes to a broker outside the database.
-    "SCHEDULER_PAGE_SIZE": 1000,
+    "SCHEDULER_PAGE_SIZE": 2000,
     "SCHEDULER_STALE_ENQUEUED_SECONDS": 600.0,
     "SCHEDULER_INTERVAL": 0.5,
-    "RELAY_PAGE_SIZE": 1000,
+    "RELAY_PAGE_SIZE": 2000,
     "RELAY_INTERVAL": 0.5,
     "RELAY_CLAIM_SECONDS": 30.0,
-    # Workers: messages per dequeue, requests in flight, the idle wait, the stop grace
-    # (keep it under the process manager's stop timeout).
+    # Workers: messages per dequeue, batches taken at once per process (each lane's
+    # database work has a thread and a connection of its own), requests in flight, the
+    # idle wait, the stop grace (keep it under the process manager's stop timeout).
     "WORKER_BATCH_SIZE": 200,
+    "WORKER_LANES": 2,
     "WORKER_CONCURRENCY": 512,
     "WORKER_IDLE_SLEEP": 0.05,
     "WORKER_SHUTDOWN_GRACE": 25.0,
