@@ -189,6 +189,8 @@ def pooled_per_host(counts: Mapping[str, int]) -> int:
 def server_connections_available(alias: str) -> int | None:
     """The connections an ordinary role may open on the server of ``alias``
     (``max_connections`` less the reserved ones); None when the server cannot be asked."""
+    if connections[alias].vendor != "postgresql":
+        return None
     try:
         with connections[alias].cursor() as cursor:
             cursor.execute(
