@@ -70,9 +70,10 @@ def test_transaction_pooling_without_a_listen_url_polls_and_says_so(settings):
     assert pooling.listen_conninfo() == settings.DATABASE_LISTEN_URL
 
 
-@pytest.mark.django_db
+@pytest.mark.django_db(transaction=True)
 def test_a_direct_connection_is_no_transaction_pooling(settings):
     # The suite's own server, reached directly: two connections, two server processes.
+    assert not connection.in_atomic_block  # so the probe asks
     assert pooling.pooled_per_transaction("default") is False
     assert ids(check_pooler(None, databases=["default"])) == []
 
