@@ -6,7 +6,7 @@ import ipaddress
 from django.core.checks import Error, Info, Tags, Warning, register
 from django.db import DatabaseError, connections
 
-from deliveries.conf import setting_problems, settings
+from deliveries.conf import POOLERS, setting_problems, settings
 
 
 @register()
@@ -277,11 +277,11 @@ def check_pooler(app_configs, databases=None, **kwargs):
     from .jobs import connections as pooling
 
     hint = 'docs/deployment.md, "More than one machine".'
-    if settings.DATABASE_POOLER not in pooling.POOLERS:
+    if settings.DATABASE_POOLER not in POOLERS:
         return [
             Error(
                 f"DATABASE_POOLER {settings.DATABASE_POOLER!r} is none of "
-                f"{', '.join(map(repr, pooling.POOLERS))}.",
+                f"{', '.join(map(repr, POOLERS))}.",
                 hint=hint,
                 id="deliveries.E010",
             )

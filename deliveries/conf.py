@@ -168,6 +168,11 @@ DEFAULTS: dict[str, object] = {
 }
 
 
+# DATABASE_POOLER's values: none (or a pooler in session mode), transaction pooling
+# without prepared statements, transaction pooling that keeps them (PgBouncer 1.21+).
+POOLERS = ("", "transaction", "transaction-prepared")
+TRANSACTION_POOLERS = ("transaction", "transaction-prepared")
+
 SECOND = timedelta(seconds=1)
 # The unit of each setting that is a duration, which a host may also write as a
 # ``timedelta`` (a list's unit is its items'). A number setting not named here is no

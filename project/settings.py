@@ -116,7 +116,7 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
         "prepare_threshold", _prepare if _prepare > 0 else None
     )
     # QuerySet.iterator() reads through a named cursor, which lives in one server session.
-    if _pooler in ("transaction", "transaction-prepared"):
+    if _pooler in deliveries_conf.TRANSACTION_POOLERS:
         DATABASES["default"].setdefault("DISABLE_SERVER_SIDE_CURSORS", True)
 elif DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # The embedded default, or a DATABASE_URL of sqlite:///path: the same settings.

@@ -26,12 +26,7 @@ from collections.abc import Mapping
 
 from django.db import DatabaseError, connections
 
-from deliveries.conf import app_setting, settings
-
-# DATABASE_POOLER's values: none (or a pooler in session mode), transaction pooling
-# without prepared statements, transaction pooling that keeps them (PgBouncer 1.21+).
-POOLERS = ("", "transaction", "transaction-prepared")
-TRANSACTION_POOLERS = ("transaction", "transaction-prepared")
+from deliveries.conf import TRANSACTION_POOLERS, app_setting, settings
 
 
 def transaction_pooled() -> bool:
