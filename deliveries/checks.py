@@ -302,6 +302,8 @@ def check_pooler(app_configs, databases=None, **kwargs):
                 id="deliveries.I010",
             )
         )
+    if databases and settings.DATABASE_LISTEN_URL and not problem:
+        errors += listen_url_messages(pooling, hint)
     if pooling.transaction_pooled():
         return errors
     for alias in databases or ():
@@ -322,6 +324,33 @@ def check_pooler(app_configs, databases=None, **kwargs):
                 )
             )
     return errors
+
+
+def listen_url_messages(pooling, hint: str) -> list:
+    """``check --database``: whether ``DATABASE_LISTEN_URL`` answers, and as a session."""
+    from psycopg import Error as PsycopgError
+
+    try:
+        pooled = pooling.listen_url_pooled()
+    except PsycopgError as exc:
+        return [
+            Warning(
+                f"DATABASE_LISTEN_URL cannot be reached ({exc}): the loops poll until it can.",
+                hint=hint,
+                id="deliveries.W011",
+            )
+        ]
+    if not pooled:
+        return []
+    return [
+        Error(
+            "DATABASE_LISTEN_URL reaches a pooler in transaction mode (two connections were "
+            "answered by one server process): a LISTEN there is lost. It must reach "
+            "PostgreSQL directly.",
+            hint=hint,
+            id="deliveries.E016",
+        )
+    ]
 
 
 @register(Tags.database)

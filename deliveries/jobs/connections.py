@@ -88,26 +88,41 @@ def listen_url_problem() -> str | None:
     return None
 
 
+SERVER_PROCESS = "SELECT pg_backend_pid()"
+
+
 def pooled_per_transaction(alias: str) -> bool:
     """Whether the database ``alias`` is reached through a pooler in transaction (or
-    statement) mode, as far as one probe can tell: a query on this connection and then
-    one on a second, new connection are answered by the same server process. Without a
-    pooler, or with one in session mode, two connections are always two server processes;
-    PgBouncer hands the second client the server connection the first one just gave
-    back. A pooler that picks another idle server connection goes unnoticed (False)."""
+    statement) mode, as far as one probe can tell: a query on this connection, and then,
+    while it stays open, one on a second, new connection are answered by the same server
+    process. Without a pooler, or with one in session mode, two open connections are
+    always two server processes; PgBouncer in transaction mode hands the second client
+    the server connection the first one gave back after its query. A pooler that picks
+    another idle server connection goes unnoticed (False)."""
     db = connections[alias]
     if db.vendor != "postgresql" or db.in_atomic_block:
         return False  # inside a transaction this connection keeps its server
     with db.cursor() as cursor:
-        cursor.execute("SELECT pg_backend_pid()")
+        cursor.execute(SERVER_PROCESS)
         (first,) = cursor.fetchone()
     other = db.get_new_connection(db.get_connection_params())
-    try:
+    with other:
         other.autocommit = True
-        (second,) = other.execute("SELECT pg_backend_pid()").fetchone()
-    finally:
-        other.close()
-    return first == second
+        return other.execute(SERVER_PROCESS).fetchone()[0] == first
+
+
+def listen_url_pooled() -> bool:
+    """The same probe on ``DATABASE_LISTEN_URL``: True when it reaches a pooler in
+    transaction mode, where a LISTEN would be lost. ``psycopg.OperationalError`` when it
+    cannot be reached."""
+    import psycopg
+
+    url = settings.DATABASE_LISTEN_URL
+    with (
+        psycopg.connect(url, autocommit=True) as first,
+        psycopg.connect(url, autocommit=True) as other,
+    ):
+        return first.execute(SERVER_PROCESS).fetchone() == other.execute(SERVER_PROCESS).fetchone()
 
 
 # --- The connection budget -------------------------------------------------------------

@@ -208,3 +208,15 @@ def test_prepared_statements_do_not_survive_transaction_pooling(pgbouncer):
         assert first.execute("SELECT %s::int", [1]).fetchone() == (1,)
         with pytest.raises(psycopg.errors.DuplicatePreparedStatement):
             second.execute("SELECT %s::int", [2])
+
+
+def test_check_refuses_a_listen_url_through_the_pooler(pgbouncer):
+    env = through(pgbouncer)
+    env["DATABASE_LISTEN_URL"] = env["DATABASE_URL"]
+    result = manage("check", "--database", "default", env=env)
+    assert result.returncode != 0
+    assert "deliveries.E016" in result.stderr
+    env["DATABASE_LISTEN_URL"] = direct_url()
+    result = manage("check", "--database", "default", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "deliveries.E016" not in result.stdout + result.stderr

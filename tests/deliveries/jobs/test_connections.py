@@ -78,6 +78,18 @@ def test_a_direct_connection_is_no_transaction_pooling(settings):
     assert ids(check_pooler(None, databases=["default"])) == []
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_direct_listen_url_is_no_pooler_and_an_unreachable_one_is_a_warning(settings):
+    settings.DATABASE_LISTEN_URL = subprocess_env()["DATABASE_URL"]
+    assert pooling.listen_url_pooled() is False
+    assert ids(check_pooler(None, databases=["default"])) == []
+    settings.DATABASE_LISTEN_URL = "postgresql://webhooks:s3cret@127.0.0.1:9/none"
+    (warning,) = check_pooler(None, databases=["default"])
+    assert warning.id == "deliveries.W011"
+    assert "s3cret" not in warning.msg
+    assert check_pooler(None) == []  # only a database check connects
+
+
 # --- The listener -----------------------------------------------------------------------
 
 
