@@ -204,7 +204,10 @@ def test_the_budget_covers_what_the_real_processes_open(commands, tenant, make_e
 
     make_endpoint(receiver.url("/ok"), event_types=["order.paid"])
     sample_jobs.ensure_marks()
-    env = subprocess_env(JOBS_MODULES="tests.deliveries.jobs.sample_jobs")
+    # Heartbeats every second, so that each heartbeat's connection shows in the window.
+    env = subprocess_env(
+        JOBS_MODULES="tests.deliveries.jobs.sample_jobs", LOOP_HEARTBEAT_SECONDS="1"
+    )
     started = [
         commands("run_scheduler", env=env),
         commands("run_relay", env=env),
@@ -235,4 +238,6 @@ def test_the_budget_covers_what_the_real_processes_open(commands, tenant, make_e
         assert command.stop() == 0, command.output()
     assert len(receiver.requests_to("/ok")) >= 40
     assert max(seen) <= budget, (max(seen), budget)
-    assert max(seen) >= 8  # each process holds its loop's and its listener's at least
+    # Not counted too generously either: what stays unused here is the worker's spare
+    # executor thread and run_jobs' thread for async jobs (18 counted, 16 seen).
+    assert max(seen) >= budget - 3
