@@ -189,8 +189,9 @@ def pooled_per_host(counts: Mapping[str, int]) -> int:
         "workers": lanes + 3,
         # The owner, its heartbeat, one per job thread, and the async jobs' thread.
         "jobs": jobs_concurrency + 3,
-        # The listener's store threads (ingest's SMTP_STORE_THREADS) and its main thread.
-        "smtp": app_setting("SMTP_STORE_THREADS", 4) + 1 if counts.get("smtp") else 0,
+        # The listener's store threads (ingest's SMTP_STORE_THREADS), its main thread and
+        # its heartbeat.
+        "smtp": app_setting("SMTP_STORE_THREADS", 0) + 2 if counts.get("smtp") else 0,
         "other": 1,
     }
     return sum(counts.get(kind, 0) * n for kind, n in per_process.items())
