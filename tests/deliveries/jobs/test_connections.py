@@ -241,3 +241,16 @@ def test_the_budget_covers_what_the_real_processes_open(commands, tenant, make_e
     # Not counted too generously either: what stays unused here is the worker's spare
     # executor thread and run_jobs' thread for async jobs (18 counted, 16 seen).
     assert max(seen) >= budget - 3
+
+
+def test_each_process_kind_counts_what_sizes_it(settings):
+    settings.SMTP_STORE_THREADS = 6
+    settings.JOBS_CONCURRENCY = 10
+    assert pooling.pooled_per_host({"smtp": 2}) == 2 * (6 + 2)
+    assert pooling.pooled_per_host({"jobs": 1}) == 10 + 3
+    assert pooling.pooled_per_host({"jobs": 1, "jobs_concurrency": 2}) == 2 + 3
+    assert pooling.pooled_per_host({"workers": 2, "worker_lanes": 8}) == 2 * (8 + 3)
+    assert pooling.pooled_per_host({"web": 3, "web_threads": 8, "other": 4}) == 24 + 4
+    assert pooling.listeners_per_host({"scheduler": 1, "relay": 1, "workers": 2, "web": 3}) == 4
+    settings.DATABASE_POOLER = "transaction"  # and no listen URL: nobody listens
+    assert pooling.listeners_per_host({"scheduler": 1, "workers": 2}) == 0
