@@ -5,6 +5,7 @@ webhooks pay nothing for it. On both databases: the SQLite run covers the statem
 ORM spellings and the one-by-one path."""
 
 import contextlib
+import random
 import time
 import uuid
 from datetime import timedelta
@@ -14,14 +15,16 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from deliveries.jobs.broker import Message
+from deliveries.jobs.relay import relay_tick
 from deliveries.jobs.sql import Statement
+from deliveries.scheduler import scheduler_tick
 from ingest import handlers, processing, schemes
 from ingest.models import InboundEvent
 from ingest.processing import WAITING, inbound_process, inbound_schedule
 from ingest.queries import LEASE, LEASE_INLINE_BODY_BYTES, TAKE_SEQUENCED
 from ingest.receiving import email_receive
 from ingest.sources import source_create
-from tests.conftest import drain
+from tests.conftest import drain, run_workers
 from tests.ingest.conftest import ADDRESSES, message, settle
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.sqlite]
@@ -203,6 +206,36 @@ def test_two_entities_interleave_in_date_order_each(mx, ran):
     drain()
     assert [s for s in ran if s[0] == "a"] == ["a1", "a2"]
     assert [s for s in ran if s[0] == "b"] == ["b1", "b2", "b3"]
+    assert set(states().values()) == {("processed", 1)}
+
+
+def test_concurrent_takes_keep_each_entitys_date_order(mx, settings):
+    """Three entities' emails stored in a shuffled order, run by four lanes taking two
+    messages at a time (and leasing at most two more along): each entity's in Date
+    order, each once."""
+    settings.WORKER_BATCH_SIZE = 2
+    seen: list[tuple[str, int]] = []
+
+    @handlers.handler("email", "support@example.com")
+    def record(m):
+        seen.append((m.entity_id, m.occurred_at.hour))
+
+    stored = [(entity, hour) for entity in ("a", "b", "c") for hour in range(1, 9)]
+    random.Random(42).shuffle(stored)
+    try:
+        for entity, hour in stored:
+            store(mx, f"{entity}{hour}", hour, entity=entity)
+        settle()
+        deadline = time.monotonic() + 60
+        while len(seen) < len(stored) and time.monotonic() < deadline:
+            due_now()  # the clock past every wait: held emails are taken again at once
+            scheduler_tick()
+            relay_tick()
+            run_workers(lanes=4, batch_size=2)
+    finally:
+        handlers.REGISTRY[:] = [r for r in handlers.REGISTRY if r.func is not record]
+    for entity in ("a", "b", "c"):
+        assert [h for e, h in seen if e == entity] == list(range(1, 9))
     assert set(states().values()) == {("processed", 1)}
 
 
