@@ -260,17 +260,20 @@ def _in_sequence(rows: list[_Leased], token: uuid.UUID, until, counts: Counter) 
     if not entities:
         return rows
     now = timezone.now()
-    found = TAKE_SEQUENCED(
-        {
-            "sources": [source_id for source_id, _ in entities],
-            "entities": [entity_id for _, entity_id in entities],
-            "token": token,
-            "until": until,
-            "now": now,
-            "limit": settings.WORKER_BATCH_SIZE,
-            "inline_body_bytes": LEASE_INLINE_BODY_BYTES,
-        }
-    )
+    # In a transaction, as LEASE: the ORM spelling's reads and its update are one (on
+    # SQLite an IMMEDIATE transaction keeps every other writer out until the commit).
+    with transaction.atomic():
+        found = TAKE_SEQUENCED(
+            {
+                "sources": [source_id for source_id, _ in entities],
+                "entities": [entity_id for _, entity_id in entities],
+                "token": token,
+                "until": until,
+                "now": now,
+                "limit": settings.WORKER_BATCH_SIZE,
+                "inline_body_bytes": LEASE_INLINE_BODY_BYTES,
+            }
+        )
     rows = rows + [_leased(row[1:12]) for row in found if row[0]]
     first_waiting = {
         (row[2], row[5]): ((row[6] or _EARLIEST, row[10], row[1]), row[12], row[13])

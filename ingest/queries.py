@@ -269,7 +269,8 @@ def _leased_rows(leased, rows: list, params: dict) -> list[tuple]:
 # limit): the events of the worker's behind it must wait. Rows of (taken, *_LEASED,
 # state, next_attempt_at); a waiting event's event_id, event_type, body and headers are
 # NULL. The waiting rows are read as of the statement's start: one that has just
-# finished may still be named (the wait is short, never wrong). Uses inbound_sequenced.
+# finished may still be named (the wait is short, never wrong). Run in a transaction of
+# the caller's. Uses inbound_sequenced.
 TAKE_SEQUENCED = Statement(
     """
 WITH entities AS (
@@ -308,7 +309,8 @@ SELECT false, * FROM waiting
 
 @TAKE_SEQUENCED.elsewhere
 def _(params):
-    # SQLite runs one writer at a time: nothing changes between the reads and the update.
+    # The caller's transaction (IMMEDIATE on SQLite: the write lock from its start) keeps
+    # the rows read here as they are until the update.
     entities = Q(pk__in=[])
     for source_id, entity_id in zip(params["sources"], params["entities"], strict=True):
         entities |= Q(source_id=source_id, entity_id=entity_id)
