@@ -8,6 +8,9 @@ The processing job rides the delivery pipeline's outbox, relay, broker and worke
 kind ``inbound`` (``deliveries.jobs.kinds``): the scheduler's sweeps call
 ``inbound_schedule``, the workers ``inbound_process``. The retry schedule is the
 deliveries' policy. Events are stored by ``ingest.receiving``.
+
+Emails with an entity are *sequenced*: each runs only after the earlier ones of its
+entity have finished, across takes (``_in_sequence``, "Sequenced events" below).
 """
 
 import json
