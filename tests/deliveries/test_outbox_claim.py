@@ -12,11 +12,13 @@ from django.utils import timezone
 
 from deliveries import services
 from deliveries.jobs import broker
+from deliveries.jobs.loop import start_run
 from deliveries.jobs.models import Outbox, QueueMessage
 from deliveries.jobs.outbox import outbox_write
 from deliveries.jobs.relay import relay_tick
 from deliveries.models import Attempt, Delivery
 from deliveries.scheduler import scheduler_tick
+from deliveries.selectors import delivery_explain
 from tests.conftest import make_due, run_workers
 from tests.deliveries.test_crash_boundaries import (
     assert_one_terminal_delivery,
@@ -55,6 +57,19 @@ def test_workers_deliver_from_the_outbox_with_no_relay(published, receiver):
     outbox.refresh_from_db()
     assert outbox.published_at is not None  # the claim recorded the publication
     assert_one_terminal_delivery(published, receiver, copies=1)
+
+
+@pytest.mark.slow
+def test_an_unclaimed_row_waits_for_a_worker(published):
+    scheduler_tick()
+    published.refresh_from_db()
+    stalled = delivery_explain(published)
+    assert stalled.kind == "stalled"
+    assert stalled.sentence.endswith("but none is running: start run_workers.")
+    start_run("workers")  # a running loop: fresh heartbeat
+    waiting = delivery_explain(published)
+    assert waiting.kind == "outbox"
+    assert "waiting for a worker." in waiting.sentence
 
 
 @pytest.mark.slow
