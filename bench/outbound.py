@@ -475,8 +475,9 @@ class Pipeline:
 @dataclass
 class FloorPipeline:
     """bench/floor.py's processes in the service's places: the service's statements with
-    the least Python around them (one scheduler, one relay, ``workers`` worker processes
-    of ``lanes`` connections taking ``batch`` messages each)."""
+    the least Python around them (one scheduler and ``workers`` worker processes of
+    ``lanes`` connections taking ``batch`` outbox rows each; no relay, as the service
+    runs none with the database broker)."""
 
     workers: int
     lanes: int = 2
@@ -490,7 +491,6 @@ class FloorPipeline:
         worker += [f"--{option}" for option in self.options]
         return [
             ("floor-scheduler", [*floor, "scheduler"]),
-            ("floor-relay", [*floor, "relay"]),
             *[(f"floor-workers{i}", worker) for i in range(self.workers)],
         ]
 
