@@ -183,6 +183,7 @@ def record_steps(leased: list, token, rows: list):
 
     ids = [r[0] for r in leased]
     params = {"now": now(), "ids": ids, "tokens": [token] * len(ids), "statuses": [200] * len(ids)}
+    params["freed"] = False  # no failures; the successes wake the scheduler as the service's
     for i, column in enumerate(ATTEMPT_COLUMNS):
         params[column] = [row[i] for row in rows]
     yield ("query", "BEGIN", None)

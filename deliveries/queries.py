@@ -611,9 +611,12 @@ def _(params):
 # statement: SUCCEED's transition (and its endpoints' failure clocks stopped), the
 # attempt rows (APPEND_ATTEMPTS' columns) and TALLY_ATTEMPTS' upserts, one round trip for
 # what were three. An attempt is ``recorded`` when the params say its lease was held (the
-# failures, moved by FAIL before this) or its delivery succeeded here. Params: SUCCEED's
-# {now, ids, tokens, statuses} and one array per ATTEMPT_COLUMNS name, one entry per
-# attempt; rows (id,) of the deliveries that succeeded.
+# failures, moved by FAIL before this) or its delivery succeeded here. When a delivery
+# left its lease (``freed``: failures moved, or a success here), the statement also wakes
+# the scheduler (deliveries.jobs.wakeup.FREED: slots under the ceilings are free),
+# delivered with the commit as PUBLISH's is; its row is (None,). Params: SUCCEED's {now,
+# ids, tokens, statuses}, ``freed`` and one array per ATTEMPT_COLUMNS name, one entry per
+# attempt; rows (id,) of the deliveries that succeeded, and (None,) for the wake-up.
 _ATTEMPT_TYPES = {
     "delivery_id": "uuid",
     "endpoint_id": "uuid",
@@ -644,8 +647,12 @@ WITH {_SUCCEEDED_SQL}, a AS (
     SELECT {_ATTEMPT_VALUES} FROM a
 ), minutes AS ({_TALLY_MINUTES_SQL}
 ), hours AS ({_TALLY_HOURS_SQL}
+), freed AS (
+    SELECT pg_notify('{wakeup.FREED}', '') FROM (SELECT 1) AS one
+    WHERE %(freed)s OR EXISTS (SELECT 1 FROM done)
 )
 SELECT id FROM done
+UNION ALL SELECT NULL FROM freed
 """)
 
 
@@ -661,6 +668,7 @@ def _(params):
     rows = [dict(zip(ATTEMPT_COLUMNS, row, strict=True)) for row in zip(*columns, strict=True)]
     for row in rows:
         row["recorded"] = row["recorded"] or row["delivery_id"] in succeeded
+    # No notifications here: the scheduler polls (deliveries.jobs.wakeup).
     APPEND_ATTEMPTS.portable([tuple(row[c] for c in ATTEMPT_COLUMNS) for row in rows])
     TALLY_ATTEMPTS.portable(
         {

@@ -286,8 +286,6 @@ def record(
         summary.disabled_endpoints = _update_endpoint_health(
             now=now, failed=failing - succeeded_endpoints, gone=gone
         )
-        if held:  # slots under the ceilings freed: the scheduler may admit more
-            wakeup.notify(wakeup.FREED)
     return summary
 
 
@@ -310,7 +308,9 @@ def _finish_successes(
     rows = [_attempt_row(r, failure_held) for r in results]
     for i, column in enumerate(queries.ATTEMPT_COLUMNS):
         params[column] = [row[i] for row in rows]
-    return {row[0] for row in queries.RECORD(params)}
+    # Slots under the ceilings freed: RECORD wakes the scheduler, which may admit more.
+    params["freed"] = bool(failure_held)
+    return {row[0] for row in queries.RECORD(params) if row[0] is not None}
 
 
 def _held(results: Sequence[AttemptResult]) -> set[uuid.UUID]:
