@@ -24,10 +24,11 @@ $(VENV)/.dev-installed: requirements/dev.txt requirements/otel.txt requirements/
 run: $(VENV)/.base-installed
 	$(PY) scripts/run_demo.py
 
-## make test: lint, Django checks, migrations check, the migration linter (no
-## backward-incompatible migration), the whole suite on PostgreSQL, then the pipeline's
-## tests (those marked sqlite, docs/testing.md) again on a SQLite file in a temporary
-## directory. Each run spreads its test files over two pytest-xdist workers (PYTEST_WORKERS).
+## make test: Debian's chromium and pgbouncer installed when missing (the browser and
+## PgBouncer tests start their own), then lint, Django checks, migrations check, the
+## migration linter (no backward-incompatible migration), the whole suite on
+## PostgreSQL, then the pipeline's tests (those marked sqlite, docs/testing.md) again on
+## a SQLite file in a temporary directory. Each run spreads its test files over two pytest-xdist workers (PYTEST_WORKERS).
 ## PYTEST_ARGS applies to both runs (the SQLite one passes if it selects none).
 test: $(VENV)/.dev-installed
 	@set -e; \
@@ -35,6 +36,10 @@ test: $(VENV)/.dev-installed
 	scripts/ensure_redis.sh; \
 	command -v chromium >/dev/null || (apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null); \
+	command -v pgbouncer >/dev/null || test -x /usr/sbin/pgbouncer || \
+	  (apt-get update -qq && \
+	   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer >/dev/null) || \
+	  echo "pgbouncer could not be installed: tests/e2e/test_pgbouncer.py will skip"; \
 	echo "== ruff"; $(VENV)/bin/ruff check .; $(VENV)/bin/ruff format --check .; \
 	echo "== django checks"; $(PY) manage.py check; \
 	$(PY) manage.py check --database default; \
@@ -60,14 +65,16 @@ $(VENV)/.bench-installed: requirements/bench.txt requirements/dev.txt requiremen
 
 ## make bench: every script a target in docs/benchmarks.md comes from: the admin at 1M
 ## rows, the harness (bench/run.py: throughput against the bare limits and the peers,
-## latency, inbound, growth, background jobs), the inbound acknowledgement ramp, backfill
-## memory and slow clients (about 80 minutes in all; results in bench/results/).
+## latency, inbound, growth, background jobs), the fast path's statements per delivery,
+## the inbound acknowledgement ramp, backfill memory and slow clients (about 90 minutes in
+## all; results in bench/results/).
 ## make bench BENCH_ARGS=--quick: the harness with small N and one repeat.
 bench: $(VENV)/.bench-installed
 	@set -e; export DATABASE_URL="$$(scripts/ensure_postgres.sh)"; \
 	scripts/ensure_redis.sh; \
 	$(PY) bench/admin_log.py; \
 	$(PY) bench/run.py $(BENCH_ARGS); \
+	$(PY) bench/statements.py; \
 	$(PY) bench/ingest.py $(INGEST_BENCH_ARGS); \
 	DATABASE_URL="$${DATABASE_URL%/*}/webhooks_bench_backfill" $(PY) bench/backfill_memory.py; \
 	$(PY) bench/slow_clients.py

@@ -28,8 +28,10 @@ def main() -> int:
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args()
     k, of = (int(x) for x in args.slice.split("/"))
-    sys.path.insert(0, str(ROOT))
+    # The repository first: bench/ (this script's directory, already on the path) has
+    # modules named like the apps (bench/ingest.py), and outbound.py after it.
     sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT))
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
     import django
 

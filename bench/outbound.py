@@ -277,7 +277,6 @@ def setup_django(db_url: str) -> None:
     os.environ["DATABASE_URL"] = db_url
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
     os.environ["EGRESS_ALLOW_NETWORKS"] = "127.0.0.0/8"
-    os.environ["LOG_LEVEL"] = "WARNING"
     sys.path.insert(0, str(ROOT))
     import django
 
@@ -450,8 +449,10 @@ def _other_cpu(busy_jiffies: int, ours: list[float]) -> float:
 
 @dataclass
 class Pipeline:
+    """The service's processes; a flag left None is the product's default."""
+
     workers: int
-    lanes: int
+    lanes: int | None
     batch_size: int | None
     worker_concurrency: int | None
     env: dict = field(default_factory=dict)
@@ -463,7 +464,9 @@ class Pipeline:
         if broker and not broker.endswith(".DatabaseBroker"):
             # The database broker's workers take the outbox themselves: no relay.
             out.append(("relay", [*manage, "run_relay"]))
-        worker = [*manage, "run_workers", "--lanes", str(self.lanes)]
+        worker = [*manage, "run_workers"]
+        if self.lanes:
+            worker += ["--lanes", str(self.lanes)]
         if self.batch_size:
             worker += ["--batch-size", str(self.batch_size)]
         if self.worker_concurrency:
@@ -614,6 +617,30 @@ def backend_cpu_by_app(db_name: str) -> dict[str, float]:
     return out
 
 
+def attempts_by_process(procs: list[tuple[str, subprocess.Popen]]) -> dict[str, int]:
+    """The attempts each worker process made, by its role: an attempt row records its
+    worker's ``host:pid``. A name no process here has is kept as it is."""
+    roles = {p.pid: role for role, p in procs}
+    out = {}
+    for worker, count in sql("SELECT worker, count(*) FROM deliveries_attempt GROUP BY worker"):
+        pid = worker.rpartition(":")[2]
+        out[roles.get(int(pid), worker) if pid.isdigit() else worker] = count
+    return dict(sorted(out.items()))
+
+
+def pipeline_env(base_url: str, db_name: str, role: str, extra: dict) -> dict:
+    """A pipeline process's environment: the product's defaults but for ``extra``, its
+    database connection named after its role (``application_name``, by which its
+    backends' CPU is counted), and the receiver's loopback network let through the
+    egress guard, which refuses it by default."""
+    return {
+        **os.environ,
+        **extra,
+        "DATABASE_URL": with_db(base_url, db_name, f"bench-{role}"),
+        "EGRESS_ALLOW_NETWORKS": "127.0.0.0/8",
+    }
+
+
 def run_service(
     receiver: Receiver,
     n: int,
@@ -645,13 +672,7 @@ def run_service(
     started = time.perf_counter()
     try:
         for role, argv in pipeline.commands():
-            env = {
-                **os.environ,
-                **pipeline.env,
-                "DATABASE_URL": with_db(base_url, db_name, f"bench-{role}"),
-                "EGRESS_ALLOW_NETWORKS": "127.0.0.0/8",
-                "LOG_LEVEL": "WARNING",
-            }
+            env = pipeline_env(base_url, db_name, role, pipeline.env)
             procs.append((role, spawn(argv, env=env, log=logs / f"{role}.log")))
         if py_spy:
             spies = [
@@ -729,6 +750,7 @@ def run_service(
     counts = receiver.counts()
     succeeded = sql("SELECT count(*) FROM deliveries_delivery WHERE state = 'succeeded'")[0][0]
     attempts = sql("SELECT count(*) FROM deliveries_attempt")[0][0]
+    by_worker = attempts_by_process(procs)
     if succeeded != n or counts["distinct_webhook_ids"] < n or counts["requests"] < n:
         raise BenchError(f"service: {succeeded} of {n} succeeded; receiver counted {counts}")
     steady = round(n / (seconds - first_success), 1) if seconds > first_success else None
@@ -743,6 +765,7 @@ def run_service(
         "receiver_requests": counts["requests"],
         "duplicates": counts["requests"] - n,
         "attempts": attempts,
+        "attempts_by_worker": by_worker,
         "cpu_seconds": {
             **cpu,
             "receiver": round(recv_cpu, 2),
@@ -921,7 +944,7 @@ def main(argv: list[str] | None = None) -> int:
         default=os.cpu_count() or 1,
         help="run_workers processes (default: one per core, as docs/deployment.md runs them)",
     )
-    parser.add_argument("--lanes", type=int, default=4, help="run_workers --lanes")
+    parser.add_argument("--lanes", type=int, default=None, help="run_workers --lanes")
     parser.add_argument("--batch-size", type=int, default=None, help="run_workers --batch-size")
     parser.add_argument("--worker-concurrency", type=int, default=None)
     parser.add_argument(

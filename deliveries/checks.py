@@ -3,10 +3,10 @@
 import functools
 import ipaddress
 
-from django.core.checks import Error, Tags, Warning, register
-from django.db import connections
+from django.core.checks import Error, Info, Tags, Warning, register
+from django.db import DatabaseError, connections
 
-from deliveries.conf import setting_problems, settings
+from deliveries.conf import POOLERS, setting_problems, settings
 
 
 @register()
@@ -83,6 +83,9 @@ def check_delivery_settings(app_configs, **kwargs):
         )
     if settings.WORKER_SHUTDOWN_GRACE < 0:
         errors.append(Error("WORKER_SHUTDOWN_GRACE must not be negative.", id="deliveries.E020"))
+    for name in ("WORKER_LANES", "WORKER_BATCH_SIZE", "WORKER_CONCURRENCY"):
+        if getattr(settings, name) < 1:
+            errors.append(Error(f"{name} must be at least 1.", id="deliveries.E021"))
     from .jobs.broker import QUEUES_SHARED, broker_class, shares_tasks_queue
 
     if shares_tasks_queue():
@@ -266,3 +269,135 @@ def autovacuum_warnings(alias: str, *, autovacuum: bool) -> list[Warning]:
             id="deliveries.W001",
         )
     ]
+
+
+@register(Tags.database)
+@on_readable_settings
+def check_pooler(app_configs, databases=None, **kwargs):
+    """What transaction pooling would break (deliveries/jobs/connections.py): statically
+    from the settings; with ``check --database``, also whether the server is reached
+    through a pooler in transaction mode that ``DATABASE_POOLER`` does not name."""
+    from .jobs import connections as pooling
+
+    hint = 'docs/deployment.md, "More than one machine".'
+    if settings.DATABASE_POOLER not in POOLERS:
+        return [
+            Error(
+                f"DATABASE_POOLER {settings.DATABASE_POOLER!r} is none of "
+                f"{', '.join(map(repr, POOLERS))}.",
+                hint=hint,
+                id="deliveries.E010",
+            )
+        ]
+    errors = [
+        Error(message, hint=hint, id=check_id)
+        for alias, settings_dict in settings.DATABASES.items()
+        for check_id, message in pooling.pooling_problems(alias, settings_dict)
+    ]
+    if problem := pooling.listen_url_problem():
+        errors.append(Error(problem, hint=hint, id="deliveries.E013"))
+    if pooling.listen_conninfo() is None:
+        errors.append(
+            Info(
+                "Behind a pooler in transaction mode without DATABASE_LISTEN_URL the loops "
+                "do not LISTEN: they poll, and new work waits up to their intervals.",
+                hint=hint,
+                id="deliveries.I010",
+            )
+        )
+    if databases and settings.DATABASE_LISTEN_URL and not problem:
+        errors += listen_url_messages(pooling, hint)
+    if pooling.transaction_pooled():
+        return errors
+    for alias in databases or ():
+        try:
+            pooled = pooling.pooled_per_transaction(alias)
+        except DatabaseError:
+            continue  # an unreachable server is the connection's own error, not this check's
+        if pooled:
+            errors.append(
+                Error(
+                    f"Database {alias!r} is reached through a pooler in transaction mode (two "
+                    "connections were answered by one server process), and DATABASE_POOLER "
+                    "does not say so: prepared statements, server-side cursors and LISTEN "
+                    "break there.",
+                    hint="Set DATABASE_POOLER to 'transaction' (PgBouncer before 1.21) and "
+                    "the DATABASES options it asks for; " + hint,
+                    id="deliveries.E014",
+                )
+            )
+    return errors
+
+
+def listen_url_messages(pooling, hint: str) -> list:
+    """``check --database``: whether ``DATABASE_LISTEN_URL`` answers, and as a session."""
+    from psycopg import Error as PsycopgError
+
+    try:
+        pooled = pooling.listen_url_pooled()
+    except PsycopgError as exc:
+        return [
+            Warning(
+                f"DATABASE_LISTEN_URL cannot be reached ({exc}): the loops poll until it can.",
+                hint=hint,
+                id="deliveries.W011",
+            )
+        ]
+    if not pooled:
+        return []
+    return [
+        Error(
+            "DATABASE_LISTEN_URL reaches a pooler in transaction mode (two connections were "
+            "answered by one server process): a LISTEN there is lost. It must reach "
+            "PostgreSQL directly.",
+            hint=hint,
+            id="deliveries.E016",
+        )
+    ]
+
+
+@register(Tags.database)
+@on_readable_settings
+def check_connection_budget(app_configs, databases=None, **kwargs):
+    """``check --database default``: the connections the deployment described by
+    ``DEPLOY_HOSTS`` and ``DEPLOY_PROCESSES`` opens, against what the server allows."""
+    from .jobs import connections as budget
+
+    counts, problems = budget.deploy_processes()
+    if problems:
+        return [Error(p, hint=BUDGET_HINT, id="deliveries.E015") for p in problems]
+    if not counts or "default" not in (databases or ()):
+        return []
+    available = budget.server_connections_available("default")
+    if available is None:
+        return []  # no server to ask: check_database_server says why
+    hosts = settings.DEPLOY_HOSTS
+    pooled = budget.pooled_per_host(counts) * hosts
+    listening = budget.listeners_per_host(counts) * hosts
+    if budget.transaction_pooled():
+        # The pooler opens the server connections; the processes' count is its clients.
+        need = settings.DEPLOY_POOLER_CONNECTIONS + listening
+        spent = (
+            f"the pooler's {settings.DEPLOY_POOLER_CONNECTIONS} server connections "
+            f"(DEPLOY_POOLER_CONNECTIONS) and {listening} direct LISTEN connections"
+        )
+    else:
+        need = pooled + listening
+        spent = f"{pooled} connections and {listening} LISTEN connections"
+    if need <= available:
+        return []
+    return [
+        Warning(
+            f"{hosts} host(s) running DEPLOY_PROCESSES open up to {need} connections to the "
+            f"server of database 'default' ({spent}); it allows {available} "
+            "(max_connections less the reserved ones).",
+            hint=BUDGET_HINT,
+            id="deliveries.W010",
+        )
+    ]
+
+
+BUDGET_HINT = (
+    "Raise max_connections, run fewer processes or threads, or put PgBouncer in front "
+    '(docs/deployment.md, "More than one machine").'
+)

@@ -68,15 +68,17 @@ DEFAULTS: dict[str, object] = {
     "DELIVERY_ENDPOINT_MAX_CONCURRENCY": 500,
     # The loops: rows per transaction, the longest idle wait, the lost-dispatch sweep, the
     # relay's claim on the rows it publishes to a broker outside the database.
-    "SCHEDULER_PAGE_SIZE": 1000,
+    "SCHEDULER_PAGE_SIZE": 2000,
     "SCHEDULER_STALE_ENQUEUED_SECONDS": 600.0,
     "SCHEDULER_INTERVAL": 0.5,
-    "RELAY_PAGE_SIZE": 1000,
+    "RELAY_PAGE_SIZE": 2000,
     "RELAY_INTERVAL": 0.5,
     "RELAY_CLAIM_SECONDS": 30.0,
-    # Workers: messages per dequeue, requests in flight, the idle wait, the stop grace
-    # (keep it under the process manager's stop timeout).
+    # Workers: messages per dequeue, batches taken at once per process (each lane's
+    # database work has a thread and a connection of its own), requests in flight, the
+    # idle wait, the stop grace (keep it under the process manager's stop timeout).
     "WORKER_BATCH_SIZE": 200,
+    "WORKER_LANES": 2,
     "WORKER_CONCURRENCY": 512,
     "WORKER_IDLE_SLEEP": 0.05,
     "WORKER_SHUTDOWN_GRACE": 25.0,
@@ -89,6 +91,21 @@ DEFAULTS: dict[str, object] = {
     "JOBS_TENANT_CONCURRENCY": 8,
     "JOBS_LEASE_MARGIN": 30.0,
     "JOBS_LOCK_RETRY": 1.0,
+    # A connection pooler between the processes and PostgreSQL (docs/deployment.md, "More
+    # than one machine"): "" (none, or one in session mode), "transaction" (transaction
+    # pooling without prepared statements: PgBouncer before 1.21) or "transaction-prepared"
+    # (PgBouncer 1.21+ with max_prepared_statements). A libpq URL of a direct connection,
+    # past the pooler, on which the loops LISTEN for wake-ups; without one, behind
+    # transaction pooling they poll.
+    "DATABASE_POOLER": "",
+    "DATABASE_LISTEN_URL": "",
+    # The connection budget (deliveries.W010): hosts, and the processes each runs by kind
+    # (web, web_threads, scheduler, relay, workers, worker_lanes, jobs, jobs_concurrency,
+    # smtp, other; empty: no budget is checked); behind transaction pooling, the server
+    # connections the pooler (all of them together) may open.
+    "DEPLOY_HOSTS": 1,
+    "DEPLOY_PROCESSES": {},
+    "DEPLOY_POOLER_CONNECTIONS": 0,
     # Seconds between heartbeats of every long-running command; six missed: not running.
     "LOOP_HEARTBEAT_SECONDS": 10.0,
     # The pipeline's transport (relay to workers): a django-q2 broker class, its queue,
@@ -152,6 +169,11 @@ DEFAULTS: dict[str, object] = {
     "OTEL_TRACES_EXPORTER": "otlp",
 }
 
+
+# DATABASE_POOLER's values: none (or a pooler in session mode), transaction pooling
+# without prepared statements, transaction pooling that keeps them (PgBouncer 1.21+).
+POOLERS = ("", "transaction", "transaction-prepared")
+TRANSACTION_POOLERS = ("transaction", "transaction-prepared")
 
 SECOND = timedelta(seconds=1)
 # The unit of each setting that is a duration, which a host may also write as a
@@ -367,6 +389,15 @@ def setting_problems() -> list[tuple[str, str]]:
 
 
 settings = AppSettings(DEFAULTS)
+
+
+def app_setting(name: str, absent: object = None):
+    """Setting ``name`` of whichever installed app defines it (``absent`` when none does):
+    for what one app reads of another's settings without importing it."""
+    for app_settings in AppSettings.instances:
+        if name in app_settings.names():
+            return getattr(app_settings, name)
+    return absent
 
 
 def q_cluster(

@@ -78,7 +78,7 @@ INBOUND_HANDLER_DURATION = Histogram(
 INBOUND_PROCESSED = Counter(
     "webhooks_inbound_processed_total",
     "Inbound events taken by a worker, by source and result (processed, skipped, stale, "
-    "failed, entity_busy, lease_lost).",
+    "failed, entity_busy, held, lease_lost).",
     ["source", "result"],
 )
 ATTEMPTS = Counter(

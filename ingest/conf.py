@@ -37,6 +37,10 @@ DEFAULTS: dict[str, object] = {
     "INBOUND_EMAIL_MAX_DEPTH": 10,
     "INBOUND_EMAIL_MAX_ATTACHMENTS": 20,
     "INBOUND_EMAIL_MAX_ATTACHMENT_BYTES": 10 * 1024 * 1024,
+    # Seconds an email with an entity waits after it is stored before it may run, so that
+    # one about the same entity dated earlier and arriving a moment later still runs
+    # first (docs/inbound.md, "Time and order"; 0: no wait).
+    "INBOUND_EMAIL_ORDER_WINDOW": 2.0,
     # The SMTP listener (manage.py run_smtp): where it listens, the name it greets with
     # ("": the host's name), STARTTLS's certificate and key files ("": no STARTTLS),
     # whether mail must come over TLS, recipients per message, idle seconds before a
@@ -61,6 +65,7 @@ UNITS = {
     "INGEST_SOURCE_CACHE_SECONDS": deliveries_conf.SECOND,
     "RETENTION_INBOUND_DAYS": timedelta(days=1),
     "INBOUND_DEDUPE_WINDOW": deliveries_conf.SECOND,
+    "INBOUND_EMAIL_ORDER_WINDOW": deliveries_conf.SECOND,
     "POLL_LEASE_SECONDS": deliveries_conf.SECOND,
     "BACKFILL_LEASE_SECONDS": deliveries_conf.SECOND,
     "SMTP_IDLE_TIMEOUT": deliveries_conf.SECOND,

@@ -87,6 +87,13 @@ class InboundState(models.TextChoices):
     REJECTED = "rejected"  # authentic but unparseable: stored as evidence, never processed
 
 
+SEQUENCED_INDEX = models.Index(
+    fields=["source", "entity_id", "occurred_at", "received_at"],
+    condition=Q(sequenced=True, state__in=["pending", "enqueued", "processing"]),
+    name="inbound_sequenced",
+)
+
+
 class InboundEvent(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid7, editable=False)
     # No index of its own: inbound_source_event and inbound_source_received both lead
@@ -121,6 +128,10 @@ class InboundEvent(models.Model):
     lease_token = models.UUIDField(null=True, blank=True)
     last_error = models.TextField(blank=True)
     processed_at = models.DateTimeField(null=True, blank=True)
+    # Runs only after every earlier one (by occurred_at, then received_at) of its source
+    # and entity has finished: an email with an entity (ingest.processing, "Sequenced
+    # events"). db_default: an older release still inserts events.
+    sequenced = models.BooleanField(default=False, db_default=False)
 
     class Meta:
         constraints = [
@@ -149,6 +160,9 @@ class InboundEvent(models.Model):
             ),
             # Admin: one source's newest first.
             models.Index(fields=["source", "-received_at"], name="inbound_source_received"),
+            # TAKE_SEQUENCED: an entity's unfinished sequenced events in their order. Only
+            # sequenced rows are in it, so storing and leasing webhooks never writes it.
+            SEQUENCED_INDEX,
         ]
 
     def __str__(self) -> str:

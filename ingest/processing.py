@@ -8,6 +8,9 @@ The processing job rides the delivery pipeline's outbox, relay, broker and worke
 kind ``inbound`` (``deliveries.jobs.kinds``): the scheduler's sweeps call
 ``inbound_schedule``, the workers ``inbound_process``. The retry schedule is the
 deliveries' policy. Events are stored by ``ingest.receiving``.
+
+Emails with an entity are *sequenced*: each runs only after the earlier ones of its
+entity have finished, across takes (``_in_sequence``, "Sequenced events" below).
 """
 
 import json
@@ -39,6 +42,7 @@ from .queries import (
     LEASE,
     LEASE_INLINE_BODY_BYTES,
     LOCK_VERSIONS,
+    TAKE_SEQUENCED,
     inline_body,
     write_outbox,
 )
@@ -119,13 +123,18 @@ def inbound_process(messages: Sequence[Message]) -> Counter:
     until = now + timedelta(seconds=LOCK_TTL + 30)
     rows = _lease(wanted, token=token, until=until)
     counts["skipped_messages"] = len(messages) - len(rows)
+    rows = _in_sequence(rows, token, until, counts)
     # Batches are PostgreSQL's (docs/inbound.md): where COMPLETE is its ORM spelling, a
     # query per row, every event runs one by one.
     if COMPLETE.one_statement():
         leased = _process_batch(rows, token, counts) if rows else []
     else:
         leased = [r.id for r in rows]
-    for row, source in _in_applying_order(leased) if leased else ():
+    ordered = _in_applying_order(leased) if leased else []
+    held: set[uuid.UUID] = set()
+    for i, (row, source) in enumerate(ordered):
+        if row.id in held:
+            continue
         t0 = time.perf_counter()
         result = _process_one(row, source, token)
         counts[result] += 1
@@ -134,6 +143,8 @@ def inbound_process(messages: Sequence[Message]) -> Counter:
             row.id, source.slug, row.event_id, row.event_type, row.attempt, result,
             time.perf_counter() - t0,
         )  # fmt: skip
+        if result not in COMMITTED:
+            held |= _hold_behind(row, [r for r, _ in ordered[i + 1 :]], token, counts)
     return counts
 
 
@@ -164,6 +175,14 @@ class _Leased(NamedTuple):
     body: bytes
     headers: dict
     attempt: int
+    received_at: datetime
+    sequenced: bool
+
+
+def _leased(row: Sequence) -> _Leased:
+    """An event as LEASE and TAKE_SEQUENCED return it (ingest.queries, LEASED_SQL)."""
+    headers = row[7] if isinstance(row[7], dict) else json.loads(row[7])
+    return _Leased(*row[:7], headers, *row[8:11])
 
 
 def _lease(wanted: dict, *, token, until) -> list[_Leased]:
@@ -177,10 +196,7 @@ def _lease(wanted: dict, *, token, until) -> list[_Leased]:
                 "inline_body_bytes": LEASE_INLINE_BODY_BYTES,
             }
         )
-    return [
-        _Leased(*row[:7], row[7] if isinstance(row[7], dict) else json.loads(row[7]), row[8])
-        for row in rows
-    ]
+    return [_leased(row) for row in rows]
 
 
 def _entity_key(slug: str, entity_id: str) -> str:
@@ -192,15 +208,21 @@ def _entity_key(slug: str, entity_id: str) -> str:
 _EARLIEST = datetime.min.replace(tzinfo=UTC)
 
 
+def _order(row: _Leased) -> tuple:
+    """The order events are applied in, in a batch and one by one: by their own time
+    (none first), then by arrival (TAKE_SEQUENCED and ``_in_applying_order`` sort alike)."""
+    return (row.occurred_at or _EARLIEST, row.received_at, row.id)
+
+
 def _in_applying_order(ids: list[uuid.UUID]) -> list[tuple[_Leased, Source]]:
     """The leased events ``ids`` with their sources, read again in the order the
-    one-by-one path applies them: by their own time (none first), then by arrival."""
+    one-by-one path applies them (``_order``)."""
     events = (
         InboundEvent.objects.filter(id__in=ids)
         .select_related("source")
         .defer("body")
         .annotate(inline_body=inline_body(LEASE_INLINE_BODY_BYTES))
-        .order_by(F("occurred_at").asc(nulls_first=True), "received_at")
+        .order_by(F("occurred_at").asc(nulls_first=True), "received_at", "id")
     )
     return [
         (
@@ -214,11 +236,114 @@ def _in_applying_order(ids: list[uuid.UUID]) -> list[tuple[_Leased, Source]]:
                 None if e.inline_body is None else bytes(e.inline_body),
                 e.headers,
                 e.attempt_count,
+                e.received_at,
+                e.sequenced,
             ),
             e.source,
         )
         for e in events
     ]
+
+
+# --- Sequenced events ------------------------------------------------------------------
+
+# What a sequenced event waiting behind an earlier one of its entity records.
+WAITING = "waiting for an earlier email of its entity"
+UNFINISHED = frozenset({InboundState.PENDING, InboundState.ENQUEUED, InboundState.PROCESSING})
+
+
+def _in_sequence(rows: list[_Leased], token: uuid.UUID, until, counts: Counter) -> list[_Leased]:
+    """The leased ``rows`` with their sequenced events (emails with an entity) put in
+    their entity's order: each such entity's other events that are due are leased too
+    (``TAKE_SEQUENCED``), so that they run in this take in their order; the leased ones
+    behind an unfinished event of their entity that this worker does not hold (another
+    worker's, or one waiting for its retry or its settle window) are put back to wait
+    for it (``_hold``). Costs nothing, not a statement, when no row is sequenced."""
+    entities = sorted({(r.source_id, r.entity_id) for r in rows if r.sequenced})
+    if not entities:
+        return rows
+    now = timezone.now()
+    # In a transaction, as LEASE: the ORM spelling's reads and its update are one (on
+    # SQLite an IMMEDIATE transaction keeps every other writer out until the commit).
+    with transaction.atomic():
+        found = TAKE_SEQUENCED(
+            {
+                "sources": [source_id for source_id, _ in entities],
+                "entities": [entity_id for _, entity_id in entities],
+                "token": token,
+                "until": until,
+                "now": now,
+                "limit": settings.WORKER_BATCH_SIZE,
+                "inline_body_bytes": LEASE_INLINE_BODY_BYTES,
+            }
+        )
+    rows = rows + [_leased(row[1:12]) for row in found if row[0]]
+    first_waiting = {
+        (row[2], row[5]): ((row[6] or _EARLIEST, row[10], row[1]), row[12], row[13])
+        for row in found
+        if not row[0]
+    }
+    held = []
+    for r in rows:
+        waiting = first_waiting.get((r.source_id, r.entity_id)) if r.sequenced else None
+        if waiting is not None and _order(r) > waiting[0]:
+            held.append((r, _wait_until(waiting[1], waiting[2], now)))
+    if not held:
+        return rows
+    _hold(held, token, counts)
+    gone = {r.id for r, _ in held}
+    return [r for r in rows if r.id not in gone]
+
+
+def _wait_until(state: str, next_attempt_at: datetime, now: datetime) -> datetime:
+    """When the events waiting behind an unfinished one (``state``, ``next_attempt_at``)
+    try again: when it is due, if it waits for its retry or its settle window; else
+    (another worker has it) as an event whose entity is locked does."""
+    if state == InboundState.PENDING and next_attempt_at > now:
+        return next_attempt_at
+    return now + timedelta(seconds=LOCK_BUSY_RETRY)
+
+
+def _hold(held: list[tuple[_Leased, datetime]], token: uuid.UUID, counts: Counter) -> None:
+    """Put leased events back to ``pending`` until the given times, without using up an
+    attempt (as an event whose entity is locked), counted ``held``."""
+    until: dict[datetime, list[uuid.UUID]] = {}
+    for r, at in held:
+        until.setdefault(at, []).append(r.id)
+    for at, ids in until.items():
+        _finish(ids, token, state=InboundState.PENDING, at=at, error=WAITING,
+                count_attempt=False)  # fmt: skip
+    slugs = dict(
+        Source.objects.filter(id__in={r.source_id for r, _ in held}).values_list("id", "slug")
+    )
+    for slug, n in Counter(slugs[r.source_id] for r, _ in held).items():
+        counts["held"] += n
+        INBOUND_PROCESSED.labels(slug, "held").inc(n)
+
+
+def _hold_behind(
+    row: _Leased, rest: list[_Leased], token: uuid.UUID, counts: Counter
+) -> set[uuid.UUID]:
+    """After the sequenced ``row`` did not finish (it failed and waits for its retry, or
+    its entity was busy, or another worker took it over), hold the events of ``rest``
+    behind it in its entity's order; returns their ids. Once it is dead, nothing waits
+    for it."""
+    if not row.sequenced:
+        return set()
+    entity = (row.source_id, row.entity_id)
+    behind = [
+        r
+        for r in rest
+        if r.sequenced and (r.source_id, r.entity_id) == entity and _order(r) > _order(row)
+    ]
+    if not behind:
+        return set()
+    state, due = InboundEvent.objects.values_list("state", "next_attempt_at").get(id=row.id)
+    if state not in UNFINISHED:
+        return set()
+    at = _wait_until(state, due, timezone.now())
+    _hold([(r, at) for r in behind], token, counts)
+    return {r.id for r in behind}
 
 
 def _process_batch(rows: list[_Leased], token: uuid.UUID, counts: Counter) -> list[uuid.UUID]:
@@ -227,9 +352,9 @@ def _process_batch(rows: list[_Leased], token: uuid.UUID, counts: Counter) -> li
 
     Entity locks are taken for the whole batch at once, before the transaction; events
     whose entity another worker holds wait ``LOCK_BUSY_RETRY`` as on the one-by-one
-    path. Within the batch, events run in the order of their own time, so that an
-    entity's events arriving out of order in one batch are applied in order; an event
-    older than its entity's applied version is stale, exactly as one by one."""
+    path. Within the batch, events run in ``_order``, so that an entity's events
+    arriving out of order in one batch are applied in order; an event older than its
+    entity's applied version is stale, exactly as one by one."""
     sources = Source.objects.in_bulk({r.source_id for r in rows})
     owner = str(token)
     keys = {r.id: _entity_key(sources[r.source_id].slug, r.entity_id) for r in rows if r.entity_id}
@@ -254,7 +379,7 @@ def _process_batch(rows: list[_Leased], token: uuid.UUID, counts: Counter) -> li
             rows = [r for r in rows if r.id not in waiting]
     if not rows:
         return []
-    rows.sort(key=lambda r: r.occurred_at or _EARLIEST)
+    rows.sort(key=_order)
     observed: list[tuple[str, float]] = []
     try:
         with transaction.atomic():
@@ -286,7 +411,9 @@ def _process_batch(rows: list[_Leased], token: uuid.UUID, counts: Counter) -> li
             failed.id, slug, failed.event_id, failed.event_type, failed.attempt, "failed",
             exc.seconds,
         )  # fmt: skip
-        return [r.id for r in rows if r.id != failed.id]
+        rest = [r for r in rows if r.id != failed.id]
+        held = _hold_behind(failed, rest, token, counts)
+        return [r.id for r in rest if r.id not in held]
     for name, seconds in observed:
         INBOUND_HANDLER_DURATION.labels(name, "ok").observe(seconds)
     by_label: Counter = Counter()
@@ -575,13 +702,21 @@ def _record_failure(row: _Leased, token, started, exc) -> None:
 
 
 def _finish(
-    ids, token, *, state, delay: float = 0.0, error: str = "", count_attempt: bool = True
+    ids,
+    token,
+    *,
+    state,
+    delay: float = 0.0,
+    error: str = "",
+    count_attempt: bool = True,
+    at: datetime | None = None,
 ) -> int:
-    """The guarded transition out of ``processing``, for the lease holder only."""
+    """The guarded transition out of ``processing``, for the lease holder only; back to
+    ``pending``, the event is due after ``delay`` seconds, or ``at`` if given."""
     now = timezone.now()
     fields = {"state": state, "lease_until": None, "lease_token": None, "last_error": error}
     if state == InboundState.PENDING:
-        fields["next_attempt_at"] = now + timedelta(seconds=delay)
+        fields["next_attempt_at"] = at or now + timedelta(seconds=delay)
         if not count_attempt:
             fields["attempt_count"] = F("attempt_count") - 1
     else:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from django.db import IntegrityError, transaction
-from django.db.models import BinaryField, Case, F, When
+from django.db.models import BinaryField, Case, F, Q, When
 from django.db.models.functions import Length
 from django.db.models.lookups import LessThanOrEqual
 
@@ -56,10 +56,11 @@ INSERT_EVENT = Statement(
 WITH new AS (
     INSERT INTO ingest_inboundevent (id, source_id, event_id, body_sha256, event_type,
         entity_id, occurred_at, body, headers, state, received_at, duplicates,
-        next_attempt_at, attempt_count, dispatch_count, enqueued_at, last_error)
+        next_attempt_at, attempt_count, dispatch_count, enqueued_at, last_error, sequenced)
     VALUES (%(id)s, %(source_id)s, %(event_id)s, %(body_sha256)s, %(event_type)s,
         %(entity_id)s, %(occurred_at)s, %(body)s, %(headers)s, %(state)s, %(received_at)s,
-        0, %(next_attempt_at)s, 0, %(dispatch_count)s, %(enqueued_at)s, %(last_error)s)
+        0, %(next_attempt_at)s, 0, %(dispatch_count)s, %(enqueued_at)s, %(last_error)s,
+        %(sequenced)s)
     ON CONFLICT DO NOTHING
     RETURNING id
 ), job AS (
@@ -179,6 +180,11 @@ def _(params):
 # Webhook sources take 1 MiB by default: their bodies still come in the one statement.
 LEASE_INLINE_BODY_BYTES = 1024 * 1024
 
+# What LEASE and TAKE_SEQUENCED return of a leased event ``e``, in _LEASED's order.
+LEASED_SQL = """e.id, e.source_id, e.event_id, e.event_type, e.entity_id, e.occurred_at,
+    CASE WHEN octet_length(e.body) <= %(inline_body_bytes)s THEN e.body END,
+    e.headers, e.attempt_count, e.received_at, e.sequenced"""
+
 # enqueued → processing for the events the messages name (their dispatch only), in one
 # statement that returns what processing reads (the body: up to LEASE_INLINE_BODY_BYTES,
 # else NULL). Rows another worker is leasing are skipped, not waited for. Run in a
@@ -195,10 +201,8 @@ WITH locked AS (
 UPDATE ingest_inboundevent e SET state = 'processing', lease_token = %(token)s,
     lease_until = %(until)s, attempt_count = e.attempt_count + 1
 FROM locked WHERE e.id = locked.id
-RETURNING e.id, e.source_id, e.event_id, e.event_type, e.entity_id, e.occurred_at,
-    CASE WHEN octet_length(e.body) <= %(inline_body_bytes)s THEN e.body END,
-    e.headers, e.attempt_count
-""",
+RETURNING {leased}
+""".replace("{leased}", LEASED_SQL),
     binary=True,  # the bodies as raw bytes, not hex text twice their size
 )
 
@@ -214,6 +218,8 @@ _LEASED = (
     "inline_body",
     "headers",
     "attempt_count",
+    "received_at",
+    "sequenced",
 )
 
 
@@ -238,13 +244,107 @@ def _(params):
     leased = InboundEvent.objects.filter(
         id__in=[row[0] for row in rows], state=InboundState.ENQUEUED
     )
+    return _leased_rows(leased, rows, params)
+
+
+def _leased_rows(leased, rows: list, params: dict) -> list[tuple]:
+    """The ORM's lease of ``leased`` (read as ``rows``, in _LEASED's order): processing
+    under the params' token, each row with the attempt the lease starts."""
     leased.update(
         state=InboundState.PROCESSING,
         lease_token=params["token"],
         lease_until=params["until"],
         attempt_count=F("attempt_count") + 1,
     )
-    return [(*row[:-1], row[-1] + 1) for row in rows]  # the attempt the lease starts
+    attempt = _LEASED.index("attempt_count")
+    return [(*row[:attempt], row[attempt] + 1, *row[attempt + 1 :]) for row in rows]
+
+
+# The sequenced events (emails with an entity) of the entities ``sources``/``entities``
+# (pairs), for a worker that leased some of them: leases (as LEASE does, for the
+# ``token``) those that are due, enqueued or pending and due, at most ``limit`` in their
+# order, waiting for another transaction that is leasing one of them and then leaving it
+# out; and names, per entity, the first of its unfinished events that is not this
+# worker's (leased elsewhere, waiting for its retry or its settle window, or beyond the
+# limit): the events of the worker's behind it must wait. Rows of (taken, *_LEASED,
+# state, next_attempt_at); a waiting event's event_id, event_type, body and headers are
+# NULL. The waiting rows are read as of the statement's start: one that has just
+# finished may still be named (the wait is short, never wrong). Run in a transaction of
+# the caller's. Uses inbound_sequenced.
+TAKE_SEQUENCED = Statement(
+    """
+WITH entities AS (
+    SELECT * FROM unnest(%(sources)b::bigint[], %(entities)b::text[]) AS g(source_id, entity_id)
+), due AS (
+    SELECT e.id FROM ingest_inboundevent e
+    JOIN entities g ON e.source_id = g.source_id AND e.entity_id = g.entity_id
+    WHERE e.sequenced AND e.state IN ('pending', 'enqueued')
+        AND (e.state = 'enqueued' OR e.next_attempt_at <= %(now)s)
+    ORDER BY e.occurred_at, e.received_at, e.id
+    LIMIT %(limit)s
+    FOR UPDATE OF e
+), taken AS (
+    UPDATE ingest_inboundevent e SET state = 'processing', lease_token = %(token)s,
+        lease_until = %(until)s, attempt_count = e.attempt_count + 1
+    FROM due WHERE e.id = due.id
+    RETURNING {leased}, e.state, e.next_attempt_at
+), waiting AS (
+    SELECT DISTINCT ON (e.source_id, e.entity_id) e.id, e.source_id, NULL::text,
+        NULL::text, e.entity_id, e.occurred_at, NULL::bytea, NULL::jsonb, e.attempt_count,
+        e.received_at, e.sequenced, e.state, e.next_attempt_at
+    FROM ingest_inboundevent e
+    JOIN entities g ON e.source_id = g.source_id AND e.entity_id = g.entity_id
+    WHERE e.sequenced AND e.state IN ('pending', 'enqueued', 'processing')
+        AND e.lease_token IS DISTINCT FROM %(token)s
+        AND e.id NOT IN (SELECT id FROM taken)
+    ORDER BY e.source_id, e.entity_id, e.occurred_at, e.received_at, e.id
+)
+SELECT true, * FROM taken
+UNION ALL
+SELECT false, * FROM waiting
+""".replace("{leased}", LEASED_SQL),
+    binary=True,
+)
+
+
+@TAKE_SEQUENCED.elsewhere
+def _(params):
+    # The caller's transaction (IMMEDIATE on SQLite: the write lock from its start) keeps
+    # the rows read here as they are until the update.
+    entities = Q(pk__in=[])
+    for source_id, entity_id in zip(params["sources"], params["entities"], strict=True):
+        entities |= Q(source_id=source_id, entity_id=entity_id)
+    siblings = InboundEvent.objects.filter(entities, sequenced=True).order_by(
+        "occurred_at", "received_at", "id"
+    )
+    is_due = Q(state=InboundState.ENQUEUED) | Q(
+        state=InboundState.PENDING, next_attempt_at__lte=params["now"]
+    )
+    due = list(siblings.filter(is_due).values_list("id", flat=True)[: params["limit"]])
+    read = list(
+        siblings.filter(id__in=due)
+        .annotate(inline_body=inline_body(params["inline_body_bytes"]))
+        .values_list(*_LEASED, "next_attempt_at")
+    )
+    rows = [row[:-1] for row in read]
+    taken = _leased_rows(InboundEvent.objects.filter(is_due, id__in=due), rows, params)
+    waiting: dict = {}
+    unfinished = siblings.filter(
+        state__in=[InboundState.PENDING, InboundState.ENQUEUED, InboundState.PROCESSING]
+    ).exclude(lease_token=params["token"])
+    for i, source_id, entity_id, occurred_at, *rest in unfinished.values_list(
+        "id", "source_id", "entity_id", "occurred_at", "attempt_count", "received_at",
+        "sequenced", "state", "next_attempt_at",
+    ):  # fmt: skip
+        # As the PostgreSQL text reads them: no event id, type, body or headers.
+        waiting.setdefault(
+            (source_id, entity_id),
+            (False, i, source_id, None, None, entity_id, occurred_at, None, None, *rest),
+        )
+    due_at = {row[0]: row[-1] for row in read}
+    return [(True, *row, InboundState.PROCESSING, due_at[row[0]]) for row in taken] + list(
+        waiting.values()
+    )
 
 
 # The applied version of each key, its row locked to the end of the transaction (the

@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.core.cache import cache
 from django.db import transaction
@@ -139,11 +139,19 @@ def _insert(
     state,
     error="",
     body_sha256=None,
+    sequenced=False,
+    not_before=None,
 ) -> tuple[uuid.UUID, bool]:
-    """Store the event (and, if it is to be processed, its outbox row) unless the source
-    has it already: the same ``event_id``, or the same ``body_sha256`` when given (the
-    second key, for schemes that do not sign the id). A copy counts as a duplicate on
-    the stored row. Returns the stored id and whether it was a duplicate."""
+    """Store the event (and, if it is to be processed now, its outbox row) unless the
+    source has it already: the same ``event_id``, or the same ``body_sha256`` when given
+    (the second key, for schemes that do not sign the id). A copy counts as a duplicate
+    on the stored row. Returns the stored id and whether it was a duplicate.
+
+    An event to be processed with ``not_before`` is stored ``pending`` until then, with
+    no job: the scheduler admits it when it is due. ``sequenced`` (an email with an
+    entity) runs only after its entity's earlier events (ingest.processing)."""
+    if not_before is not None and state == InboundState.ENQUEUED:
+        state = InboundState.PENDING
     fields = {
         "id": uuid7(),
         "source_id": source.id,
@@ -156,15 +164,16 @@ def _insert(
         "headers": _stored_headers(request.headers),
         "state": state,
         "received_at": now,
-        "next_attempt_at": now,
+        "next_attempt_at": now if not_before is None else not_before,
         "last_error": error,
         "dispatch_count": 1 if state == InboundState.ENQUEUED else 0,
         "enqueued_at": now if state == InboundState.ENQUEUED else None,
+        "sequenced": sequenced,
     }
     with_job = state == InboundState.ENQUEUED
     params = {**fields, "headers": Jsonb(fields["headers"]), "now": now, "with_job": with_job}
     if INSERT_EVENT(params)[0] == 1:
-        if state == InboundState.ENQUEUED:
+        if state != InboundState.REJECTED:
             send_after_commit(inbound_event_stored, InboundEvent, [fields["id"]])
         return fields["id"], False
     stored = InboundEvent.objects.filter(source=source)
@@ -315,6 +324,10 @@ def email_receive(
         mail.clean(str(k))[:40]: mail.clean(str(v))[:200] for k, v in authentication.items()
     }
     occurred = min(inspected.sent_at, now) if inspected and inspected.sent_at else now
+    # An email about an entity waits out the order window before it may run, so that one
+    # dated earlier arriving a moment later runs first (docs/inbound.md, "Time and order").
+    window = settings.INBOUND_EMAIL_ORDER_WINDOW
+    settled = now + timedelta(seconds=window) if window > 0 else None
     stored, new = [], []
     with transaction.atomic():
         for recipient in accepted:
@@ -340,6 +353,8 @@ def email_receive(
                 now=now,
                 state=InboundState.REJECTED if reason else InboundState.ENQUEUED,
                 error=f"rejected: {reason}" if reason else "",
+                sequenced=bool(entity) and not reason,
+                not_before=settled if entity and not reason else None,
             )
             stored.append(event)
             if duplicate:

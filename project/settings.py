@@ -103,15 +103,21 @@ if env.str("DATABASE_URL", default=""):
 else:
     DATABASES = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": SQLITE_PATH}}
 if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    # DATABASE_POOLER: a pooler in transaction mode before the server (PgBouncer), whose
+    # server connections change between transactions (deliveries/jobs/connections.py).
+    _pooler = env.str("DATABASE_POOLER", default=deliveries_conf.DEFAULTS["DATABASE_POOLER"])
     # The hot path's statements (deliveries.jobs.sql.bound_cursor: claim, lease, record,
     # publish, the inbound insert) are prepared on a connection after this many runs, so
     # PostgreSQL stops parsing and planning them every time. The ORM's client-side-binding
-    # cursors never prepare. 0 turns it off (a pooler in transaction mode, like PgBouncer
-    # before 1.21, cannot keep prepared statements).
-    _prepare = env.int("DATABASE_PREPARE_THRESHOLD", default=5)
+    # cursors never prepare. 0 turns it off, the default behind DATABASE_POOLER=transaction
+    # (PgBouncer before 1.21 cannot keep prepared statements; deliveries.E011 refuses both).
+    _prepare = env.int("DATABASE_PREPARE_THRESHOLD", default=0 if _pooler == "transaction" else 5)
     DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
         "prepare_threshold", _prepare if _prepare > 0 else None
     )
+    # QuerySet.iterator() reads through a named cursor, which lives in one server session.
+    if _pooler in deliveries_conf.TRANSACTION_POOLERS:
+        DATABASES["default"].setdefault("DISABLE_SERVER_SIDE_CURSORS", True)
 elif DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # The embedded default, or a DATABASE_URL of sqlite:///path: the same settings.
     Path(DATABASES["default"]["NAME"]).parent.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,9 @@ each keeps its own table and state rules, and uses only this interface:
 - run a loop: ``loop.run_loop``, ``loop.recorded_run``, ``loop.Heartbeat``,
   ``loop.StopFlag``, and the one retry rule for database errors (``loop.Backoff``,
   ``loop.with_db_retry``);
-- wake a loop: ``wakeup.notify`` and ``wakeup.Listener`` (PostgreSQL LISTEN/NOTIFY);
+- wake a loop: ``wakeup.notify`` and ``wakeup.Listener`` (PostgreSQL LISTEN/NOTIFY;
+  behind a pooler in transaction mode on the direct ``DATABASE_LISTEN_URL``, else polling:
+  ``connections``, with the pooler's checks and the processes' connection counts);
 - ids, raw SQL and crash points: ``ids.uuid7``, ``sql.bound_cursor``,
   ``faults.crash_point``.
 

@@ -206,6 +206,7 @@ def run_loop(
     with recorded_run(kind, stop, lambda: (ticks, dict(totals))) as run:
         if run is None:
             return totals
+        listen = listen if wakeup.available() else ()  # nothing to listen on: poll
         listener = wakeup.Listener(*listen) if listen and not once else None
 
         def wait(seconds: float) -> None:

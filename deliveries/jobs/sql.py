@@ -164,3 +164,32 @@ def compress_with_lz4(table: str, column: str):
         partial(set_compression, table=table, column=column, method="pglz"),
         elidable=False,
     )
+
+
+def _build_index(apps, schema_editor, *, app_label: str, model_name: str, index, add: bool):
+    model = apps.get_model(app_label, model_name)
+    if schema_editor.connection.vendor == "postgresql":
+        sql = index.create_sql if add else index.remove_sql
+        schema_editor.execute(sql(model, schema_editor, concurrently=True))
+    else:
+        (schema_editor.add_index if add else schema_editor.remove_index)(model, index)
+
+
+def add_index_concurrently(app_label: str, model_name: str, index):
+    """The migration operation that adds ``index`` to the model, and drops it again:
+    CONCURRENTLY on PostgreSQL, so writes to the table go on while it builds. Its
+    migration sets ``atomic = False`` (CREATE INDEX CONCURRENTLY cannot run in a
+    transaction)."""
+    from django.db import migrations
+
+    where = {"app_label": app_label, "model_name": model_name, "index": index}
+    return migrations.SeparateDatabaseAndState(
+        state_operations=[migrations.AddIndex(model_name=model_name.lower(), index=index)],
+        database_operations=[
+            migrations.RunPython(
+                partial(_build_index, **where, add=True),
+                partial(_build_index, **where, add=False),
+                elidable=False,
+            )
+        ],
+    )

@@ -21,13 +21,21 @@ and the blocked waits end early; a loop that is busy, or paces itself while work
 reads what came after each pass instead (``Listener.drain``), so notifications never
 pile up unread. On SQLite
 and on other brokers there are no notifications and the loops poll.
+
+A listener is a session: behind a pooler in transaction mode it listens on the direct
+connection ``DATABASE_LISTEN_URL`` names, and without one there is nothing to listen on
+and the loops poll (``deliveries.jobs.connections``). NOTIFY, sent inside a transaction,
+goes through the pooler like any statement.
 """
 
 import contextlib
 import logging
 import threading
 
+import psycopg
 from django.db import connection
+
+from .connections import listen_conninfo
 
 logger = logging.getLogger("deliveries")
 
@@ -39,7 +47,8 @@ JOBS = "webhooks_jobs"
 
 
 def available() -> bool:
-    return connection.vendor == "postgresql"
+    """Whether a loop can be woken: on PostgreSQL, with a session to LISTEN on."""
+    return connection.vendor == "postgresql" and listen_conninfo() is not None
 
 
 def notify(channel: str) -> None:
@@ -51,7 +60,9 @@ def notify(channel: str) -> None:
 
 class Listener:
     """Waits for notifications on its own autocommit connection (a listening connection
-    must not sit inside a transaction). Without PostgreSQL it only sleeps."""
+    must not sit inside a transaction): to ``DATABASE_LISTEN_URL`` when it is set, else
+    with Django's parameters. Without a session to listen on (``available``) it only
+    sleeps."""
 
     def __init__(self, *channels: str) -> None:
         self.channels = channels
@@ -59,8 +70,12 @@ class Listener:
 
     def _connection(self):
         if self._conn is None or self._conn.closed:
-            conn = connection.get_new_connection(connection.get_connection_params())
-            conn.autocommit = True
+            conninfo = listen_conninfo()
+            if conninfo:
+                conn = psycopg.connect(conninfo, autocommit=True)
+            else:
+                conn = connection.get_new_connection(connection.get_connection_params())
+                conn.autocommit = True
             for channel in self.channels:
                 conn.execute(f"LISTEN {channel}")
             self._conn = conn
@@ -69,7 +84,7 @@ class Listener:
     def wait(self, timeout: float, stop: threading.Event) -> bool:
         """Return True when notified within ``timeout`` seconds, False when the time ran
         out (or ``stop`` was set: without notifications the wait is on ``stop``)."""
-        if connection.vendor != "postgresql" or timeout <= 0:
+        if not available() or timeout <= 0:
             stop.wait(max(timeout, 0))
             return False
         try:

@@ -9,6 +9,8 @@ writes to the delivery table go on meanwhile; a release that predates it ignores
 from django.db import migrations, models
 from django.db.models import Q
 
+from deliveries.jobs.sql import add_index_concurrently
+
 INDEX = models.Index(
     fields=["endpoint", "-priority", "next_attempt_at"],
     condition=Q(state="pending"),
@@ -16,27 +18,10 @@ INDEX = models.Index(
 )
 
 
-def _index(add: bool):
-    """Build (``add``) or drop INDEX: CONCURRENTLY on PostgreSQL."""
-
-    def run(apps, schema_editor):
-        model = apps.get_model("deliveries", "Delivery")
-        if schema_editor.connection.vendor == "postgresql":
-            sql = INDEX.create_sql if add else INDEX.remove_sql
-            schema_editor.execute(sql(model, schema_editor, concurrently=True))
-        else:
-            (schema_editor.add_index if add else schema_editor.remove_index)(model, INDEX)
-
-    return run
-
-
 class Migration(migrations.Migration):
     atomic = False  # CREATE INDEX CONCURRENTLY cannot run in a transaction
     dependencies = [("deliveries", "0012_attempt_endpoint")]
 
     operations = [
-        migrations.SeparateDatabaseAndState(
-            state_operations=[migrations.AddIndex(model_name="delivery", index=INDEX)],
-            database_operations=[migrations.RunPython(_index(True), _index(False), elidable=False)],
-        ),
+        add_index_concurrently("deliveries", "Delivery", INDEX),
     ]

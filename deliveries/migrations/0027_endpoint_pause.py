@@ -9,21 +9,9 @@ the index is built CONCURRENTLY (a non-atomic migration)."""
 from django.db import migrations, models
 from django.db.models import Q
 
+from deliveries.jobs.sql import add_index_concurrently
+
 INDEX = models.Index(fields=["id"], condition=Q(paused_at__isnull=False), name="endpoint_paused")
-
-
-def _index(add: bool):
-    """Build (``add``) or drop INDEX: CONCURRENTLY on PostgreSQL."""
-
-    def run(apps, schema_editor):
-        model = apps.get_model("deliveries", "Endpoint")
-        if schema_editor.connection.vendor == "postgresql":
-            sql = INDEX.create_sql if add else INDEX.remove_sql
-            schema_editor.execute(sql(model, schema_editor, concurrently=True))
-        else:
-            (schema_editor.add_index if add else schema_editor.remove_index)(model, INDEX)
-
-    return run
 
 
 class Migration(migrations.Migration):
@@ -53,8 +41,5 @@ class Migration(migrations.Migration):
             name="paused_reason",
             field=models.CharField(blank=True, db_default="", default="", max_length=200),
         ),
-        migrations.SeparateDatabaseAndState(
-            state_operations=[migrations.AddIndex(model_name="endpoint", index=INDEX)],
-            database_operations=[migrations.RunPython(_index(True), _index(False), elidable=False)],
-        ),
+        add_index_concurrently("deliveries", "Endpoint", INDEX),
     ]

@@ -65,6 +65,16 @@ def test_a_heartbeat_period_that_is_not_positive_is_refused(settings):
         assert "deliveries.E008" in [e.id for e in check_delivery_settings(None)]
 
 
+@pytest.mark.parametrize("name", ["WORKER_LANES", "WORKER_BATCH_SIZE", "WORKER_CONCURRENCY"])
+def test_a_worker_with_no_lane_batch_or_request_slot_is_refused(settings, name):
+    from deliveries.checks import check_delivery_settings
+
+    assert "deliveries.E021" not in [e.id for e in check_delivery_settings(None)]
+    setattr(settings, name, 0)
+    errors = [e for e in check_delivery_settings(None) if e.id == "deliveries.E021"]
+    assert [e.msg for e in errors] == [f"{name} must be at least 1."]
+
+
 @pytest.mark.parametrize(
     ("backend", "warned"),
     [

@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.utils import timezone
 
 from deliveries import services
@@ -107,6 +107,13 @@ def test_once_and_until_idle_runs_leave_the_collector_alone(tenant):
             signal.signal(sig, handler)
 
     assert (gc.get_threshold(), gc.get_freeze_count()) == (thresholds, frozen)
+
+
+@pytest.mark.parametrize("flag", ["--lanes", "--batch-size", "--concurrency"])
+def test_run_workers_refuses_a_count_below_one_before_it_records_a_run(flag):
+    with pytest.raises(CommandError, match=f"{flag} must be at least 1, not 0"):
+        call_command("run_workers", "--once", flag, "0")
+    assert not LoopRun.objects.exists()
 
 
 def test_delivery_status_explains_a_delivery(tenant):

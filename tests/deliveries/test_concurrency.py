@@ -1,11 +1,16 @@
 """Two schedulers, two relays and three workers at once, as real threads against the
-real database (PostgreSQL, or SQLite's file, whose writers take turns): every delivery is
-attempted exactly once (no lease expires in this test, so a second copy would be a
+real database (PostgreSQL, or SQLite's file, whose writers take turns); and four
+``run_workers`` processes with nothing but the database between them: every delivery is
+attempted exactly once (no lease expires in these tests, so a second copy would be a
 double delivery within a lease)."""
 
 import asyncio
+import signal
+import subprocess
+import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from django.db import connection
@@ -13,11 +18,12 @@ from django.db import connection
 from deliveries import services
 from deliveries import worker as worker_module
 from deliveries.jobs.loop import StopFlag, run_loop
+from deliveries.jobs.models import LoopRun
 from deliveries.jobs.relay import relay_tick
 from deliveries.models import Attempt, Delivery
 from deliveries.scheduler import scheduler_tick
 from deliveries.worker import Worker
-from tests.conftest import in_thread, queue_for_slow_endpoint
+from tests.conftest import in_thread, queue_for_slow_endpoint, subprocess_env
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow, pytest.mark.sqlite]
 
@@ -75,11 +81,69 @@ def test_concurrent_schedulers_relays_and_workers_deliver_each_delivery_once(
         t.join(30)
 
     assert errors == []
+    assert_each_delivered_once(receiver, expected)
+
+
+def assert_each_delivered_once(receiver, expected: int) -> None:
     assert Delivery.objects.filter(state="succeeded").count() == expected
     copies = Counter(r.webhook_id for r in receiver.received)
     assert len(copies) == expected
     assert max(copies.values()) == 1
     assert Attempt.objects.count() == expected
+
+
+SPREAD_WORKERS = 4
+
+
+def test_four_worker_processes_divide_the_deliveries_and_send_each_once(tenant, receiver):
+    """The real commands as processes: one scheduler, one relay, four run_workers. Each
+    worker holds at most 20 requests (and 10 leased ahead) and every answer takes 0.1 s,
+    so no process can take all 400 deliveries before the others: each must take a share,
+    and none may take what another took."""
+    root = Path(__file__).resolve().parents[2]
+    env = subprocess_env(LOG_LEVEL="WARNING")
+    worker = ["run_workers", "--concurrency", "20", "--batch-size", "10"]
+    commands = [["run_scheduler"], ["run_relay"]] + [worker] * SPREAD_WORKERS
+    receiver.delays["/spread"] = 0.1
+    services.endpoint_create(tenant=tenant, url=receiver.url("/spread"))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(root / "manage.py"), *command],
+            env=env,
+            cwd=root,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for command in commands
+    ]
+    try:
+        # Every process running (its run recorded) before the first event is published.
+        deadline = time.monotonic() + 120
+        while LoopRun.objects.filter(finished_at=None).count() < len(procs):
+            assert all(p.poll() is None for p in procs), [p.returncode for p in procs]
+            assert time.monotonic() < deadline, "the processes did not start"
+            time.sleep(0.1)
+        for i in range(EVENTS):
+            services.publish_event(tenant=tenant, event_type="t", payload={"i": i})
+        deadline = time.monotonic() + 300  # a guard against a hang, not a speed test
+        while Delivery.objects.filter(state="succeeded").count() < EVENTS:
+            assert all(p.poll() is None for p in procs), [p.returncode for p in procs]
+            assert time.monotonic() < deadline, "the deliveries were not all sent"
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        codes = [p.wait(60) for p in procs]
+
+    assert codes == [0] * len(procs)
+    assert_each_delivered_once(receiver, EVENTS)
+    # An attempt records its worker as host:pid.
+    by_pid = Counter(
+        int(w.rpartition(":")[2]) for w in Attempt.objects.values_list("worker", flat=True)
+    )
+    shares = [by_pid[p.pid] for p in procs[2:]]
+    assert sum(shares) == EVENTS, by_pid
+    assert min(shares) > 0, shares
 
 
 def test_the_concurrency_ceiling_holds_across_lanes_that_take_at_once(tenant, receiver):

@@ -98,3 +98,15 @@ def listener(smtp_source):
 
 def smtp_client(port: int) -> smtplib.SMTP:
     return smtplib.SMTP("127.0.0.1", port, local_hostname="client.example.org", timeout=30)
+
+
+def settle() -> int:
+    """Move the clock past INBOUND_EMAIL_ORDER_WINDOW for the stored emails waiting it out
+    (sequenced, never dispatched): they are due now."""
+    from django.utils import timezone
+
+    from ingest.models import InboundEvent
+
+    return InboundEvent.objects.filter(state="pending", sequenced=True, dispatch_count=0).update(
+        next_attempt_at=timezone.now()
+    )

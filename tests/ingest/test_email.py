@@ -21,7 +21,7 @@ from ingest.receiving import email_receive
 from ingest.schemes import get_scheme
 from ingest.sources import source_create
 from tests.conftest import drain, scrape, value
-from tests.ingest.conftest import ADDRESSES, message
+from tests.ingest.conftest import ADDRESSES, message, settle
 
 # Rolled back after each test; the tests that run the workers (drain) commit for real.
 pytestmark = pytest.mark.django_db
@@ -80,12 +80,14 @@ def test_a_signed_post_is_stored_once_per_recipient(provider):
     again = post(provider, raw, recipients=["support+t-7@example.com"])
     assert again.json() == {"status": "duplicate", "ids": r.json()["ids"]}
     event = InboundEvent.objects.get()
+    # About an entity: it waits out INBOUND_EMAIL_ORDER_WINDOW (2 s) before it is due.
     assert (event.event_type, event.entity_id, event.state, event.duplicates) == (
         "support@example.com",
         "t-7",
-        "enqueued",
+        "pending",
         1,
     )
+    assert event.sequenced and event.next_attempt_at == event.received_at + timedelta(seconds=2)
     assert bytes(event.body) == raw  # the message, not the provider's post
     email = InboundEmail.objects.get()
     assert (email.transport, email.subject, email.remote_addr) == (
@@ -464,6 +466,7 @@ def test_an_email_handler_gets_a_typed_message_in_date_order_per_entity(provider
                     (earlier, "support+ticket-9@example.com"),
                     (other, "orders@inbound.example.com")):  # fmt: skip
         assert post(provider, raw, recipients=[to]).status_code == 200
+    settle()
     drain()
     assert [m.subject for m in received] == ["first", "second"]  # by Date, not arrival
     first = received[0]
@@ -534,11 +537,13 @@ def test_an_older_email_arriving_later_still_runs(received):
         to="support+t@example.com", subject="newer", date="Wed, 02 Jul 2025 10:00:00 +0000"
     )
     post(source, late, recipients=["support+t@example.com"])
+    settle()
     drain()
     old = message(
         to="support+t@example.com", subject="older", date="Tue, 01 Jul 2025 10:00:00 +0000"
     )
-    post(source, old, recipients=["support+t@example.com"])
+    post(source, old, recipients=["support+t@example.com"])  # after the window: too late
+    settle()
     drain()
     # A webhook this old would be skipped as stale; an email is a message of its own.
     assert [m.subject for m in received] == ["newer", "older"]

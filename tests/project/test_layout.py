@@ -86,6 +86,7 @@ VENDOR_PLACES = {
     "deliveries/prometheus.py": "the gauges' time budget is a statement_timeout",
     "deliveries/admin.py": "the paginator's count budget is a statement_timeout",
     "deliveries/checks.py": "the system check reads PostgreSQL's server settings",
+    "deliveries/jobs/connections.py": "poolers, LISTEN and max_connections are PostgreSQL's",
 }
 VENDOR = re.compile(r"connection\.vendor|\.vendor\s*[!=]=")
 

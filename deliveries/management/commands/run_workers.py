@@ -2,8 +2,9 @@ import asyncio
 import logging
 import signal
 
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
+from deliveries.conf import settings
 from deliveries.jobs.loop import StopFlag, recorded_run
 from deliveries.worker import Worker
 
@@ -22,8 +23,12 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         add_loop_arguments(parser)
-        parser.add_argument("--lanes", type=int, default=4, help="Batches handled at once.")
-        parser.add_argument("--batch-size", type=int, default=None)
+        parser.add_argument(
+            "--lanes", type=int, default=None, help="Batches taken at once (WORKER_LANES)."
+        )
+        parser.add_argument(
+            "--batch-size", type=int, default=None, help="Messages per take (WORKER_BATCH_SIZE)."
+        )
         parser.add_argument(
             "--concurrency",
             type=int,
@@ -36,11 +41,16 @@ class Command(BaseCommand):
         *args,
         once=False,
         until_idle=False,
-        lanes=4,
+        lanes=None,
         batch_size=None,
         concurrency=None,
         **options,
     ):
+        lanes = settings.WORKER_LANES if lanes is None else lanes
+        given = {"--lanes": lanes, "--batch-size": batch_size, "--concurrency": concurrency}
+        for name, value in given.items():
+            if value is not None and value < 1:
+                raise CommandError(f"{name} must be at least 1, not {value}.")
         # The database may be away when the process starts (a restart in progress): wait
         # for it like the loops do rather than exit.
         stop = StopFlag()
