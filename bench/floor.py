@@ -13,21 +13,23 @@ nothing else:
 * ``scheduler``: one scan of due rows (``SCAN_DUE``, nothing left out) and
   one ``ENQUEUE`` (pending → enqueued and an outbox row each) per page;
   no ceilings, no fairness, no in-flight count, no sweeps;
-* ``relay``: in one transaction, ``queries.PUBLISH_OUTBOX_PAGE`` marking the page
-  published and ``queries.ENQUEUE_MESSAGES`` (the database broker's publication and its
-  record commit together, as the service's relay does);
+* ``relay`` (not part of the database broker's floor, whose workers take the outbox
+  themselves; kept for a relay run beside them): in one transaction,
+  ``queries.PUBLISH_OUTBOX_PAGE`` marking the page published and
+  ``queries.ENQUEUE_MESSAGES``, as the service's relay does with the database broker;
 * ``worker`` (one process per core, lanes of one asyncio connection each): in one
-  transaction ``queries.LOCK_MESSAGES``, ``LEASE`` and
-  ``queries.SETTLE_MESSAGES`` spending the messages (the service's take); a signed POST
-  per delivery through one bare ``aiohttp.ClientSession`` (no egress checks); then in
-  one transaction the attempts by COPY and ``SUCCEED``. No ceilings, no rate
-  limits, no retries (any answer but 200 stops the run), no metrics, no logs.
+  transaction ``queries.TAKE`` claiming outbox rows (and any relay's messages) and
+  ``LEASE`` (the service's take; ``queries.SETTLE_MESSAGES`` only when messages came);
+  a signed POST per delivery through one bare ``aiohttp.ClientSession`` (no egress
+  checks); then in one transaction ``RECORD``: the successes, the attempt rows and
+  their tallies. No ceilings, no rate limits, no retries (any answer but 200 stops the
+  run), no metrics, no logs.
 
 So the service's distance to this floor is what its Python costs (Django, the thread
 hop to the database, the egress checks, classification, ceilings, fairness, metrics),
 and this floor's distance to the bare loop is what the design's writes cost.
 
-    python bench/floor.py scheduler|relay|worker [--lanes N --batch N]  # DATABASE_URL set
+    python bench/floor.py scheduler|worker [--lanes N --batch N]  # DATABASE_URL set
 """
 
 from __future__ import annotations
@@ -142,20 +144,23 @@ def run_relay(page: int) -> None:
 
 
 def take_steps(queue: str, batch: int):
-    """Take a batch and lease it in one transaction, spending the messages, as the
-    service's worker does with the database broker: (leased, token), or None when the
-    queue is empty."""
+    """Take a batch and lease it in one transaction, claiming the outbox rows, as the
+    service's worker does with the database broker: (leased, token), or None when
+    there is nothing to take."""
     from deliveries.jobs import broker, queries
     from deliveries.queries import LEASE
 
     t = now()
     until = t + timedelta(seconds=60)
     yield ("query", "BEGIN", None)
-    taken = yield ("query", queries.LOCK_MESSAGES.sql, [queue, t, batch])
+    params = {"kinds": ["delivery"], "now": t, "limit": batch, "queue": queue}
+    taken = yield ("query", queries.TAKE.sql, params)
     if not taken:
         yield ("query", "COMMIT", None)
         return None
-    messages = [broker.Message.decode(r[1]) for r in taken]
+    direct = [broker.Message(r[1], r[2], r[3], r[4]) for r in taken if r[5] is None]
+    queued = [(r[0], r[5]) for r in taken if r[5] is not None]
+    messages = direct + [broker.Message.decode(payload) for _, payload in queued]
     token = uuid.uuid4()
     params = {
         "ids": [m.job_id for m in messages],
@@ -165,23 +170,24 @@ def take_steps(queue: str, batch: int):
         "now": t,
     }
     leased = yield ("binary", LEASE.sql, params)
-    spent = {"spent": [r[0] for r in taken], "hidden": [], "until": until}
-    yield ("query", queries.SETTLE_MESSAGES.sql, spent)
+    if queued:
+        spent = {"spent": [i for i, _ in queued], "hidden": [], "until": until}
+        yield ("query", queries.SETTLE_MESSAGES.sql, spent)
     yield ("query", "COMMIT", None)
     return leased, token
 
 
 def record_steps(leased: list, token, rows: list):
-    """The attempts and the successes in one transaction."""
-    from deliveries.queries import APPEND_ATTEMPTS, SUCCEED
+    """The successes, their attempt rows and tallies in one transaction, one statement."""
+    from deliveries.queries import ATTEMPT_COLUMNS, RECORD
 
+    ids = [r[0] for r in leased]
+    params = {"now": now(), "ids": ids, "tokens": [token] * len(ids), "statuses": [200] * len(ids)}
+    params["freed"] = False  # no failures; the successes wake the scheduler as the service's
+    for i, column in enumerate(ATTEMPT_COLUMNS):
+        params[column] = [row[i] for row in rows]
     yield ("query", "BEGIN", None)
-    yield ("copy", APPEND_ATTEMPTS.sql, rows)
-    if leased:
-        ids = [r[0] for r in leased]
-        statuses = [200] * len(leased)
-        params = {"now": now(), "ids": ids, "tokens": [token] * len(ids), "statuses": statuses}
-        yield ("query", SUCCEED.sql, params)
+    yield ("query", RECORD.sql, params)
     yield ("query", "COMMIT", None)
 
 

@@ -12,8 +12,9 @@ One run (``make bench``, or ``python bench/outbound.py --events 20000 --repeat 3
      ``ClientSession`` (keep-alive), ``--concurrency`` requests in flight;
    * **service**: truncate the delivery tables, publish ``--events`` events to one
      endpoint with ``deliveries.services.publish_event`` (transactions of 1000; timed on
-     its own as the publish rate), then start the real ``run_scheduler``, ``run_relay``
-     and ``run_workers`` processes and time from their start until every delivery is
+     its own as the publish rate), then start the real ``run_scheduler`` and
+     ``run_workers`` processes (and ``run_relay`` with a broker outside the database,
+     ``--env QUEUE_BROKER_CLASS=…``) and time from their start until every delivery is
      ``succeeded``. The receiver must have seen every delivery id; failing that, the run
      fails loudly.
 
@@ -458,7 +459,11 @@ class Pipeline:
 
     def commands(self) -> list[tuple[str, list[str]]]:
         manage = [sys.executable, "manage.py"]
-        out = [("scheduler", [*manage, "run_scheduler"]), ("relay", [*manage, "run_relay"])]
+        out = [("scheduler", [*manage, "run_scheduler"])]
+        broker = {**os.environ, **self.env}.get("QUEUE_BROKER_CLASS", "")
+        if broker and not broker.endswith(".DatabaseBroker"):
+            # The database broker's workers take the outbox themselves: no relay.
+            out.append(("relay", [*manage, "run_relay"]))
         worker = [*manage, "run_workers"]
         if self.lanes:
             worker += ["--lanes", str(self.lanes)]
@@ -473,8 +478,9 @@ class Pipeline:
 @dataclass
 class FloorPipeline:
     """bench/floor.py's processes in the service's places: the service's statements with
-    the least Python around them (one scheduler, one relay, ``workers`` worker processes
-    of ``lanes`` connections taking ``batch`` messages each)."""
+    the least Python around them (one scheduler and ``workers`` worker processes of
+    ``lanes`` connections taking ``batch`` outbox rows each; no relay, as the service
+    runs none with the database broker)."""
 
     workers: int
     lanes: int = 2
@@ -488,7 +494,6 @@ class FloorPipeline:
         worker += [f"--{option}" for option in self.options]
         return [
             ("floor-scheduler", [*floor, "scheduler"]),
-            ("floor-relay", [*floor, "relay"]),
             *[(f"floor-workers{i}", worker) for i in range(self.workers)],
         ]
 

@@ -29,6 +29,7 @@ from . import charts as charts_module
 from . import overview, queries, selectors, services
 from .jobs.admin import TenantFilter
 from .jobs.admin import uuid_or_none as _uuid
+from .jobs.broker import DatabaseBroker, broker_class
 from .jobs.confirm import Operation, Selection, confirm_operation
 from .jobs.console import EMPTY, AuditedEdits, ConsoleAdmin, duration, key_values, when
 from .jobs.models import LoopRun
@@ -818,6 +819,7 @@ def overview_context(now=None) -> dict:
     dead = overview.dead_letters(now)
     queue = overview.queue(now)
     loops = overview.loops(now)
+    required = required_loops()
     endpoints = overview.endpoint_health(now)
     hours = [dead.hours_start + timedelta(hours=h) for h in range(24)]
     return {
@@ -854,9 +856,8 @@ def overview_context(now=None) -> dict:
         "oldest_due": duration(queue.oldest_due_seconds) if queue.oldest_due_seconds else "none",
         "relay_lag": duration(queue.relay_lag_seconds) if queue.relay_lag_seconds else "none",
         "loops": loops,
-        "loops_down": [
-            loop.kind for loop in loops if loop.kind in REQUIRED_LOOPS and not loop.alive
-        ],
+        "loops_down": [loop.kind for loop in loops if loop.kind in required and not loop.alive],
+        "loops_required": required,
         "endpoints": [
             {
                 "health": h,
@@ -871,8 +872,13 @@ def overview_context(now=None) -> dict:
     }
 
 
-# The loops the outbound pipeline needs; the others (poll, jobs) run where they are used.
-REQUIRED_LOOPS = ("scheduler", "relay", "workers")
+def required_loops() -> tuple[str, ...]:
+    """The loops the outbound pipeline needs; the others (poll, jobs) run where they are
+    used. The relay only with a broker outside the database: the database broker's
+    workers take the outbox themselves."""
+    if issubclass(broker_class(), DatabaseBroker):
+        return ("scheduler", "workers")
+    return ("scheduler", "relay", "workers")
 
 
 def _pretty_body(body) -> str:

@@ -77,13 +77,15 @@ def delivery_gauges(now: float) -> Iterable[Metric]:
     first = unpublished.order_by("id").values_list("created_at", flat=True).first()
     yield GaugeMetricFamily(
         "webhooks_outbox_relay_lag_seconds",
-        "Age of the oldest unpublished outbox row (0: none); grows when the relay is not "
-        "running or the broker refuses. Index outbox_unpublished.",
+        "Age of the oldest unpublished outbox row (0: none); grows when no worker takes "
+        "the rows (database broker) or the relay is not running or the broker refuses "
+        "(other brokers). Index outbox_unpublished.",
         value=max(0.0, now - first.timestamp()) if first is not None else 0.0,
     )
     yield GaugeMetricFamily(
         "webhooks_outbox_unpublished",
-        "Outbox rows not yet published to the broker. Index outbox_unpublished.",
+        "Outbox rows not yet taken by a worker (database broker) or published to the "
+        "broker (other brokers). Index outbox_unpublished.",
         value=unpublished.count(),
     )
 

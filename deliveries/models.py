@@ -575,10 +575,11 @@ class AttemptMinute(models.Model):
     """Attempts counted by minute and outcome: the overview's chart of the last 24 hours,
     read without touching the attempt rows (1,440 minutes, whatever the traffic).
 
-    Written by the worker's recording transaction, one statement per batch
-    (queries.TALLY_ATTEMPTS). ``writer`` is the recording connection (its PostgreSQL
-    backend pid): no two transactions ever add to one row at once, so recording workers
-    never wait for each other here. Readers sum over it."""
+    Written by the worker's recording transaction, in the statement that records the
+    batch (queries.RECORD, its tallies those of queries.TALLY_ATTEMPTS). ``writer`` is
+    the recording connection (its PostgreSQL backend pid): no two transactions ever add
+    to one row at once, so recording workers never wait for each other here. Readers sum
+    over it."""
 
     id = models.BigAutoField(primary_key=True)
     minute = models.DateTimeField()

@@ -387,9 +387,9 @@ def held_leases(ids: Sequence[uuid.UUID], tokens: Sequence[uuid.UUID]) -> set[uu
 
 # Successes of a batch in one statement; RETURNING names the rows whose lease was held.
 # One success stops its endpoint's failure clock, in the same statement. Params: {now,
-# ids, tokens, statuses}; rows (id,) of the deliveries that succeeded.
-SUCCEED = Statement("""
-WITH done AS (
+# ids, tokens, statuses}; rows (id,) of the deliveries that succeeded. The same CTEs
+# begin RECORD, the worker's statement.
+_SUCCEEDED_SQL = """done AS (
     UPDATE deliveries_delivery d SET state = 'succeeded', finished_at = %(now)s,
         last_outcome = 'success', last_status_code = v.status, last_error = '',
         lease_until = NULL, lease_token = NULL, last_attempt_at = %(now)s,
@@ -401,9 +401,8 @@ WITH done AS (
 ), healed AS (
     UPDATE deliveries_endpoint SET failing_since = NULL
     WHERE id IN (SELECT endpoint_id FROM done) AND failing_since IS NOT NULL
-)
-SELECT id FROM done
-""")
+)"""
+SUCCEED = Statement(f"WITH {_SUCCEEDED_SQL}\nSELECT id FROM done")
 
 
 @SUCCEED.elsewhere
@@ -524,11 +523,12 @@ def _(params):
 
 
 # The attempts of a batch added to the overview's tallies (models.AttemptMinute and
-# EndpointHour), in the recording transaction, one statement for the batch: a few rows
-# upserted, however many attempts. The writer is this connection (pg_backend_pid), so no
-# two transactions add to one row at once and recording workers never wait on each other
-# here; the rows are upserted in key order all the same. Params: {endpoints, outcomes,
-# started, durations}, one entry per attempt.
+# EndpointHour), in the recording transaction, in the statement that records the batch
+# (RECORD) or one of their own (TALLY_ATTEMPTS): a few rows upserted, however many
+# attempts. The writer is this connection (pg_backend_pid), so no two transactions add to
+# one row at once and recording workers never wait on each other here; the rows are
+# upserted in key order all the same. Both are INSERTs over a relation ``a`` (endpoint_id,
+# outcome, started_at, duration_ms) of the calling statement, one row per attempt.
 _LATENCY_SQL = (
     ",\n    ".join(
         f"count(*) FILTER (WHERE duration_ms > {low} AND duration_ms <= {high})"
@@ -536,19 +536,14 @@ _LATENCY_SQL = (
     )
     + f",\n    count(*) FILTER (WHERE duration_ms > {LATENCY_BOUNDS_MS[-1]})"
 )
-TALLY_ATTEMPTS = Statement(
-    f"""
-WITH a AS (
-    SELECT * FROM unnest(%(endpoints)b::uuid[], %(outcomes)b::text[],
-        %(started)b::timestamptz[], %(durations)b::float8[])
-        AS a(endpoint_id, outcome, started_at, duration_ms)
-), minutes AS (
-    INSERT INTO deliveries_attemptminute (minute, outcome, writer, attempts)
-    SELECT date_trunc('minute', started_at, 'UTC'), outcome, pg_backend_pid(), count(*)
-    FROM a GROUP BY 1, 2 ORDER BY 1, 2
-    ON CONFLICT (minute, outcome, writer)
-    DO UPDATE SET attempts = deliveries_attemptminute.attempts + excluded.attempts
-)
+_TALLY_MINUTES_SQL = """
+INSERT INTO deliveries_attemptminute (minute, outcome, writer, attempts)
+SELECT date_trunc('minute', started_at, 'UTC'), outcome, pg_backend_pid(), count(*)
+FROM a GROUP BY 1, 2 ORDER BY 1, 2
+ON CONFLICT (minute, outcome, writer)
+DO UPDATE SET attempts = deliveries_attemptminute.attempts + excluded.attempts
+"""
+_TALLY_HOURS_SQL = f"""
 INSERT INTO deliveries_endpointhour (hour, endpoint_id, outcome, writer, attempts, total_ms,
     {", ".join(LATENCY_COLUMNS)})
 SELECT date_trunc('hour', started_at, 'UTC'), endpoint_id, outcome, pg_backend_pid(),
@@ -559,6 +554,16 @@ ON CONFLICT (hour, endpoint_id, outcome, writer) DO UPDATE SET
     attempts = deliveries_endpointhour.attempts + excluded.attempts,
     total_ms = deliveries_endpointhour.total_ms + excluded.total_ms,
     {", ".join(f"{c} = deliveries_endpointhour.{c} + excluded.{c}" for c in LATENCY_COLUMNS)}
+"""
+# Params: {endpoints, outcomes, started, durations}, one entry per attempt.
+TALLY_ATTEMPTS = Statement(
+    f"""
+WITH a AS (
+    SELECT * FROM unnest(%(endpoints)b::uuid[], %(outcomes)b::text[],
+        %(started)b::timestamptz[], %(durations)b::float8[])
+        AS a(endpoint_id, outcome, started_at, duration_ms)
+), minutes AS ({_TALLY_MINUTES_SQL})
+{_TALLY_HOURS_SQL}
 """,
     returns="nothing",
 )
@@ -600,6 +605,80 @@ def _(params):
         )
         if not updated:
             EndpointHour.objects.create(**key, **counts)
+
+
+# A recorded batch's successes, every attempt row and the attempts' tallies, in one
+# statement: SUCCEED's transition (and its endpoints' failure clocks stopped), the
+# attempt rows (APPEND_ATTEMPTS' columns) and TALLY_ATTEMPTS' upserts, one round trip for
+# what were three. An attempt is ``recorded`` when the params say its lease was held (the
+# failures, moved by FAIL before this) or its delivery succeeded here. When a delivery
+# left its lease (``freed``: failures moved, or a success here), the statement also wakes
+# the scheduler (deliveries.jobs.wakeup.FREED: slots under the ceilings are free),
+# delivered with the commit as PUBLISH's is; its row is (None,). Params: SUCCEED's {now,
+# ids, tokens, statuses}, ``freed`` and one array per ATTEMPT_COLUMNS name, one entry per
+# attempt; rows (id,) of the deliveries that succeeded, and (None,) for the wake-up.
+_ATTEMPT_TYPES = {
+    "delivery_id": "uuid",
+    "endpoint_id": "uuid",
+    "number": "int",
+    "started_at": "timestamptz",
+    "duration_ms": "float8",
+    "status_code": "int",
+    "outcome": "text",
+    "error_kind": "text",
+    "error": "text",
+    "ambiguous": "bool",
+    "response_body": "text",
+    "response_truncated": "bool",
+    "request_headers": "jsonb",
+    "recorded": "bool",
+    "worker": "text",
+}
+_ATTEMPT_VALUES = ", ".join(
+    "a.recorded OR a.delivery_id IN (SELECT id FROM done)" if c == "recorded" else f"a.{c}"
+    for c in ATTEMPT_COLUMNS
+)
+RECORD = Statement(f"""
+WITH {_SUCCEEDED_SQL}, a AS (
+    SELECT * FROM unnest({", ".join(f"%({c})b::{_ATTEMPT_TYPES[c]}[]" for c in ATTEMPT_COLUMNS)})
+        AS a({", ".join(ATTEMPT_COLUMNS)})
+), attempts AS (
+    INSERT INTO deliveries_attempt ({", ".join(ATTEMPT_COLUMNS)})
+    SELECT {_ATTEMPT_VALUES} FROM a
+), minutes AS ({_TALLY_MINUTES_SQL}
+), hours AS ({_TALLY_HOURS_SQL}
+), freed AS (
+    SELECT pg_notify('{wakeup.FREED}', '') FROM (SELECT 1) AS one
+    WHERE %(freed)s OR EXISTS (SELECT 1 FROM done)
+)
+SELECT id FROM done
+UNION ALL SELECT NULL FROM freed
+""")
+
+
+@RECORD.elsewhere
+def _(params):
+    done = (
+        SUCCEED.portable({k: params[k] for k in ("now", "ids", "tokens", "statuses")})
+        if params["ids"]
+        else []
+    )
+    succeeded = {row[0] for row in done}
+    columns = [params[c] for c in ATTEMPT_COLUMNS]
+    rows = [dict(zip(ATTEMPT_COLUMNS, row, strict=True)) for row in zip(*columns, strict=True)]
+    for row in rows:
+        row["recorded"] = row["recorded"] or row["delivery_id"] in succeeded
+    # No notifications here: the scheduler polls (deliveries.jobs.wakeup).
+    APPEND_ATTEMPTS.portable([tuple(row[c] for c in ATTEMPT_COLUMNS) for row in rows])
+    TALLY_ATTEMPTS.portable(
+        {
+            "endpoints": params["endpoint_id"],
+            "outcomes": params["outcome"],
+            "started": params["started_at"],
+            "durations": params["duration_ms"],
+        }
+    )
+    return done
 
 
 # --- Publishing -----------------------------------------------------------------------

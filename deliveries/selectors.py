@@ -14,6 +14,7 @@ from deliveries.conf import settings
 from . import queries
 from .egress import USER_AGENT, EgressPolicy, IPNetwork
 from .headers import DROPPED, NOT_STORED, PROTOCOL_HEADERS, REDACTED
+from .jobs.broker import DatabaseBroker, broker_class
 from .jobs.models import LoopRun, Outbox
 from .jobs.outbox import message_key
 from .models import Attempt, Delivery, DeliveryState, Endpoint, Outcome, Tenant
@@ -236,11 +237,15 @@ def delivery_explain(delivery: Delivery, *, now: datetime | None = None) -> Expl
         ).first()
         stale_at = d.enqueued_at + timedelta(seconds=settings.SCHEDULER_STALE_ENQUEUED_SECONDS)
         if outbox and outbox.published_at is None:
-            alive = _loop_alive("relay", now)
+            # With the database broker the workers take the outbox row themselves (a
+            # relay still run beside them may take it first); else only the relay does.
+            direct = issubclass(broker_class(), DatabaseBroker)
+            alive = _loop_alive("relay", now) or (direct and _loop_alive("workers", now))
+            taker, command = ("a worker", "run_workers") if direct else ("the relay", "run_relay")
             return Explanation(
                 "outbox" if alive else "stalled",
-                f"In the outbox since {_t(d.enqueued_at)} UTC, waiting for the relay"
-                + ("." if alive else ", but no relay is running: start run_relay."),
+                f"In the outbox since {_t(d.enqueued_at)} UTC, waiting for {taker}"
+                + ("." if alive else f", but none is running: start {command}."),
                 details,
             )
         if now > stale_at:

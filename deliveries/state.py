@@ -274,34 +274,43 @@ def record(
     successes = [r for r in results if r.classification.outcome == Outcome.SUCCESS]
     failures = [r for r in results if r.classification.outcome != Outcome.SUCCESS]
     with transaction.atomic():
-        held = _finish_successes(successes, now) if successes else set()
-        summary.succeeded = len(held)
-        signals.send_after_commit(signals.delivery_succeeded, Delivery, held)
+        # The failures first: the statement that moves the successes also writes every
+        # attempt row, which says whether its lease was held.
         failure_held, failing, gone = _finish_failures(failures, now, policy, summary)
-        held |= failure_held
+        succeeded = _finish_successes(successes, results, failure_held, now)
+        summary.succeeded = len(succeeded)
+        signals.send_after_commit(signals.delivery_succeeded, Delivery, succeeded)
+        held = succeeded | failure_held
         summary.stale = len(results) - len(held)
-        _append_attempts(results, held)
         succeeded_endpoints = {r.leased.endpoint_id for r in successes if r.leased.id in held}
         summary.disabled_endpoints = _update_endpoint_health(
             now=now, failed=failing - succeeded_endpoints, gone=gone
         )
-        if held:  # slots under the ceilings freed: the scheduler may admit more
-            wakeup.notify(wakeup.FREED)
     return summary
 
 
-def _finish_successes(successes: Sequence[AttemptResult], now: datetime) -> set[uuid.UUID]:
+def _finish_successes(
+    successes: Sequence[AttemptResult],
+    results: Sequence[AttemptResult],
+    failure_held: set,
+    now: datetime,
+) -> set[uuid.UUID]:
     """``leased → succeeded`` for the successes whose lease is still held (returned), and
-    their endpoints' failure clocks reset (_update_endpoint_health starts them)."""
-    rows = queries.SUCCEED(
-        {
-            "now": now,
-            "ids": [r.leased.id for r in successes],
-            "tokens": [r.leased.lease_token for r in successes],
-            "statuses": [r.status_code for r in successes],
-        }
-    )
-    return {row[0] for row in rows}
+    their endpoints' failure clocks reset (_update_endpoint_health starts them); in the
+    same statement (queries.RECORD) every attempt row of ``results`` and the overview's
+    tallies of them. ``failure_held``: the failures whose lease was held."""
+    params = {
+        "now": now,
+        "ids": [r.leased.id for r in successes],
+        "tokens": [r.leased.lease_token for r in successes],
+        "statuses": [r.status_code for r in successes],
+    }
+    rows = [_attempt_row(r, failure_held) for r in results]
+    for i, column in enumerate(queries.ATTEMPT_COLUMNS):
+        params[column] = [row[i] for row in rows]
+    # Slots under the ceilings freed: RECORD wakes the scheduler, which may admit more.
+    params["freed"] = bool(failure_held)
+    return {row[0] for row in queries.RECORD(params) if row[0] is not None}
 
 
 def _held(results: Sequence[AttemptResult]) -> set[uuid.UUID]:
@@ -386,7 +395,8 @@ def _finish_failures(failures, now, policy, summary) -> tuple[set, set, set]:
 
 
 def _attempt_row(r: AttemptResult, held: set) -> tuple:
-    """A row of queries.APPEND_ATTEMPTS, in queries.ATTEMPT_COLUMNS' order."""
+    """An attempt row, in queries.ATTEMPT_COLUMNS' order; ``recorded`` if its lease is in
+    ``held`` (queries.RECORD adds the successes it moves)."""
     return (
         r.leased.id,
         r.leased.endpoint_id,
@@ -403,20 +413,6 @@ def _attempt_row(r: AttemptResult, held: set) -> tuple:
         Jsonb(r.request_headers),
         r.leased.id in held,
         r.worker,
-    )
-
-
-def _append_attempts(results: Sequence[AttemptResult], held: set) -> None:
-    """The attempt rows, in one statement (COPY on PostgreSQL), and the overview's tallies
-    of them in another (queries.TALLY_ATTEMPTS)."""
-    queries.APPEND_ATTEMPTS([_attempt_row(r, held) for r in results])
-    queries.TALLY_ATTEMPTS(
-        {
-            "endpoints": [r.leased.endpoint_id for r in results],
-            "outcomes": [str(r.classification.outcome) for r in results],
-            "started": [r.started_at for r in results],
-            "durations": [r.duration_ms for r in results],
-        }
     )
 
 

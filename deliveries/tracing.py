@@ -10,11 +10,13 @@ outbox/queue hop, in W3C ``traceparent`` form:
 
 - ``publish_event`` opens a ``webhooks.publish`` span (a child of the caller's span, if
   any) and stores its traceparent on the event (``Event.trace_context``).
-- the relay opens a ``webhooks.relay`` span per delivery it publishes, a child of the
+- the relay (a broker outside the database, or one still run beside the database
+  broker) opens a ``webhooks.relay`` span per delivery it publishes, a child of the
   event's, and carries that span's traceparent in the queue message (``tp``, message
   format version 2);
 - the worker opens a ``webhooks.deliver`` span per attempt, a child of the message's
-  traceparent (or of the event's, for a message that carries none).
+  traceparent, or of the event's for a message that carries none and for an outbox row
+  the worker took directly (the database broker: no relay, no hop of its own).
 
 The scheduler is a batch clock over many events and opens no spans.
 """

@@ -115,34 +115,53 @@ class Taken:
 def _take(queue, batch_size: int, lease_seconds: float) -> Taken:
     """Take a batch and lease its deliveries: one trip to the database thread.
 
-    With the database broker, one transaction locks the messages, leases their
-    deliveries and spends (deletes) every message this worker can handle: from then on a
-    delivery's lease is its record, and a worker that dies leaves it to run out; the
-    other kinds' jobs lease their rows next and recover a dispatch whose message is gone
-    (deliveries.jobs.kinds). Messages it cannot read, or of kinds it does not know, are hidden
-    for the visibility timeout and left for a release that can. A worker that dies
-    before the commit leaves the messages as they were. With another broker the batch
-    is received first and the deliveries leased after."""
+    With the database broker, one transaction claims the batch straight from the outbox
+    (recording its publication: the committed outbox row is the queue entry) and leases
+    its deliveries; messages a relay still put on the queue table fill the rest of the
+    batch and are spent (deleted) in the same transaction. From then on a delivery's
+    lease is its record, and a worker that dies leaves it to run out; the other kinds'
+    jobs lease their rows next and recover a dispatch whose entry is gone
+    (deliveries.jobs.kinds). Queue messages it cannot read, or of kinds it does not
+    know, are hidden for the visibility timeout and left for a release that can; the
+    outbox rows of such kinds are not claimed. A worker that dies before the commit
+    leaves the outbox rows and messages as they were. With another broker the batch is
+    received first and the deliveries leased after."""
     close_old_connections()
     if isinstance(queue, broker.DatabaseBroker):
         with transaction.atomic():
-            received = queue.lock(batch_size)
+            direct, received = queue.take(batch_size, kinds=_processed_kinds())
             messages, others = _sort(received)
+            for m in direct:
+                if m.kind == "delivery":
+                    messages.append((None, m))
+                else:
+                    others.setdefault(m.kind, []).append((None, m))
             claimed = _claim(messages, lease_seconds) if messages else None
-            spent = {t for t, _ in messages}
-            spent.update(t for kind in others if kinds.processed(kind) for t, _ in others[kind])
-            queue.settle(spent=list(spent), hidden=[t for t, _ in received if t not in spent])
+            if direct or received:
+                crash_point("worker.before_take_commit")
+            if received:
+                spent = {t for t, _ in messages}
+                spent.update(t for kind in others if kinds.processed(kind) for t, _ in others[kind])
+                spent.discard(None)  # the outbox rows': recorded by the claim
+                queue.settle(spent=list(spent), hidden=[t for t, _ in received if t not in spent])
         # Spent: nothing to acknowledge.
         messages = [(None, m) for _, m in messages]
         for kind in others:
             if kinds.processed(kind):
                 others[kind] = [(None, m) for _, m in others[kind]]
+        received = len(direct) + len(received)
     else:
         received = broker.receive(queue, batch_size)
         messages, others = _sort(received)
         claimed = _claim(messages, lease_seconds) if messages else None
+        received = len(received)
     ENDPOINT_LABELS.refresh_if_due()
-    return Taken(len(received), messages, others, claimed)
+    return Taken(received, messages, others, claimed)
+
+
+def _processed_kinds() -> list[str]:
+    """The outbox kinds a worker takes: deliveries and every kind it processes."""
+    return ["delivery", *(k.name for k in kinds.KINDS.values() if k.process is not None)]
 
 
 def _sort(received: list[tuple[object, str]]) -> tuple[list, dict]:
@@ -654,17 +673,18 @@ class Worker:
         return self.counts
 
     def _listen(self) -> tuple[threading.Event, threading.Thread] | None:
-        """With the database broker on PostgreSQL, a thread waits for the broker's
-        notifications and wakes idle lanes (deliveries.jobs.wakeup); they still poll every
-        LISTEN_POLL seconds for redeliveries, which nobody announces. Returns the event
-        that stops the thread, and the thread."""
+        """With the database broker on PostgreSQL, a thread waits for the notifications
+        of new outbox rows (the workers' queue entries) and of a relay's messages, and
+        wakes idle lanes (deliveries.jobs.wakeup); they still poll every LISTEN_POLL
+        seconds for redeliveries, which nobody announces. Returns the event that stops
+        the thread, and the thread."""
         if not (isinstance(self.queue, broker.DatabaseBroker) and wakeup.available()):
             return None
         loop = asyncio.get_running_loop()
         stopped = threading.Event()
 
         def listen() -> None:
-            listener = wakeup.Listener(wakeup.QUEUE)
+            listener = wakeup.Listener(wakeup.OUTBOX, wakeup.QUEUE)
             try:
                 while not stopped.is_set():
                     if listener.wait(LISTEN_POLL, stopped) and not stopped.is_set():

@@ -6,7 +6,6 @@ demo tenant, an endpoint and an admin login, then runs as child processes:
     receiver   scripts/demo_receiver.py, a webhook receiver that checks signatures
     web        the admin, the REST API and the health endpoints
     scheduler  run_scheduler
-    relay      run_relay
     workers    run_workers
     jobs       run_jobs (background jobs: the polls and backfills started in the admin)
 
@@ -306,7 +305,6 @@ def main() -> int:
         # loopback; production runs gunicorn (project/gunicorn.conf.py).
         children.start("web", [*MANAGE, "runserver", f"127.0.0.1:{web_port}", "--noreload"])
         children.start("scheduler", [*MANAGE, "run_scheduler"])
-        children.start("relay", [*MANAGE, "run_relay"])
         children.start("workers", [*MANAGE, "run_workers"])
         children.start("jobs", [*MANAGE, "run_jobs"])
 

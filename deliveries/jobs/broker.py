@@ -1,8 +1,12 @@
 """Queue transport behind django-q2's broker interface.
 
-``DatabaseBroker`` is the default: a queue table in the service's own database. A take
-locks a batch (``FOR UPDATE SKIP LOCKED`` on PostgreSQL) and settles it in the caller's
-transaction: the messages the caller has spent are deleted, the rest hidden for the
+``DatabaseBroker`` is the default, in the service's own database. For the pipeline's
+workers the committed outbox row is itself the queue entry: their take (``take``) claims
+outbox rows directly and records their publication in the transaction that leases the
+jobs, with no relay between them. The broker also keeps a queue table, for django-q2's
+tasks and for a relay still run beside the workers (it keeps working, one hop longer). A
+take of the table locks a batch (``FOR UPDATE SKIP LOCKED`` on PostgreSQL) and settles it
+in the caller's transaction: the messages the caller has spent are deleted, the rest hidden for the
 visibility timeout, to be acknowledged (deleted) once processed. The workers spend a
 delivery's message in the transaction that leases the delivery, since from then on the
 lease is its record; django-q2's ``dequeue`` hides every message. The table only ever
@@ -40,7 +44,13 @@ from deliveries.conf import settings
 
 from . import wakeup
 from .models import QueueMessage
-from .queries import ACKNOWLEDGE_MESSAGES, ENQUEUE_MESSAGES, LOCK_MESSAGES, SETTLE_MESSAGES
+from .queries import (
+    ACKNOWLEDGE_MESSAGES,
+    ENQUEUE_MESSAGES,
+    LOCK_MESSAGES,
+    SETTLE_MESSAGES,
+    TAKE,
+)
 
 # For isinstance() alone. django-q2's Redis broker imports redis, an optional extra
 # (trusty-webhooks[redis]): without it no Redis broker can exist, and nothing is one.
@@ -140,6 +150,26 @@ class DatabaseBroker(Broker):
         if not rows and limit is None:
             time.sleep(Conf.POLL)
         return rows
+
+    def take(
+        self, limit: int, *, kinds: Sequence[str]
+    ) -> tuple[list[Message], list[tuple[int, str]]]:
+        """The pipeline workers' take, inside the caller's transaction: up to ``limit``
+        dispatches of ``kinds``, read straight from the outbox (each row's publication
+        recorded by the claim, no message written), then, to fill the limit, the visible
+        messages on this queue (a relay still running with this broker writes them),
+        locked as ``lock`` locks them, for ``settle``. A rollback leaves both as they
+        were. Returns the outbox rows' messages and the queue's (id, payload)."""
+        if not connection.in_atomic_block:
+            raise RuntimeError("a take runs inside a transaction")
+        rows = TAKE(
+            {"kinds": list(kinds), "now": timezone.now(), "limit": limit, "queue": self.list_key}
+        )
+        claimed = sorted((r for r in rows if r[5] is None), key=lambda r: (-r[3], r[0]))
+        return (
+            [Message(r[1], r[2], r[3], r[4]) for r in claimed],
+            [(r[0], r[5]) for r in rows if r[5] is not None],
+        )
 
     def lock(self, limit: int) -> list[tuple[int, str]]:
         """The first half of a take, inside the caller's transaction: up to ``limit``

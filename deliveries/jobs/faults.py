@@ -10,6 +10,8 @@ soak run the real commands with it set. The named points:
 - ``relay.after_publish``: the broker accepted the messages, publication not recorded.
   (With the database broker both points are inside the relay's one transaction, which
   the death rolls back; with Redis the page is claimed and, at the second, published.)
+- ``worker.before_take_commit``: with the database broker, a worker's take has claimed
+  outbox rows and leased their deliveries, not committed (the death rolls both back).
 - ``worker.after_lease``: the lease is committed, no request sent (death during a lease).
 - ``worker.after_send``: the receiver answered, the outcome is not recorded.
 - ``smtp.after_commit``: the SMTP listener stored a message, its 250 not yet answered.
@@ -23,6 +25,7 @@ POINTS = frozenset(
     {
         "relay.before_publish",
         "relay.after_publish",
+        "worker.before_take_commit",
         "worker.after_lease",
         "worker.after_send",
         "smtp.after_commit",

@@ -8,8 +8,9 @@ A kind registers what the shared loops call for it:
 
 - ``process(messages)``: run in a worker's database thread with the decoded broker
   messages of that kind; it leases, runs and records them, guarded like deliveries, and
-  returns counts. With the database broker the worker's take has spent (deleted) the
-  messages already, in the transaction that took them; with a broker that acknowledges,
+  returns counts. With the database broker the worker's take has claimed the outbox
+  rows (or spent a relay's messages) already, in the transaction that took them; with a
+  broker that acknowledges,
   the worker acknowledges them after ``process`` returns. Either way a message can be
   gone while its job is not done (a worker that died between the take and the job's
   own lease), so ``schedule`` must recover such dispatches, as deliveries' lost-dispatch

@@ -18,8 +18,10 @@ class Outbox(models.Model):
     """One dispatch of a job waiting to be handed to the queue transport: a delivery, an
     inbound event's processing, any kind registered in ``deliveries.jobs.kinds``.
 
-    It is written in the same transaction that marks the job enqueued; the relay
-    publishes it to the broker and only then sets ``published_at``."""
+    It is written in the same transaction that marks the job enqueued. With the database
+    broker the committed row is itself the queue entry: a worker's take claims it and
+    sets ``published_at`` in the transaction that leases the job. With a broker outside
+    the database the relay publishes it and only then sets ``published_at``."""
 
     id = models.BigAutoField(primary_key=True)
     message_key = models.CharField(max_length=80, unique=True)
@@ -40,6 +42,16 @@ class Outbox(models.Model):
             # The relay's page: unpublished rows in insertion order.
             models.Index(
                 fields=["id"], condition=Q(published_at__isnull=True), name="outbox_unpublished"
+            ),
+            # The workers' take with the database broker: unpublished rows by priority,
+            # then age, as the queue table's take orders its messages. The kind is a
+            # filter, not a key: one take serves every kind its worker processes, in one
+            # order.
+            models.Index(
+                models.F("priority").desc(),
+                "created_at",
+                condition=Q(published_at__isnull=True),
+                name="outbox_claimable",
             ),
         ]
 

@@ -1,6 +1,8 @@
 """Enqueueing in the caller's transaction: one outbox row per dispatch of a job, written
 in the transaction that marks the job enqueued, so that a rollback leaves neither and a
-commit leaves both; the relay (deliveries.jobs.relay) then publishes the row.
+commit leaves both. With the database broker the committed row is the queue entry, which
+the workers' take claims (``DatabaseBroker.take``); with another broker the relay
+(deliveries.jobs.relay) publishes it.
 
 A row's ``message_key`` is unique per job *and* dispatch: a retry gets a new row and
 message while the job keeps its identity, and a second copy of one dispatch is refused

@@ -101,6 +101,56 @@ def _(params):
     QueueMessage.objects.filter(id__in=ids).delete()
 
 
+# The pipeline workers' take with the database broker: the committed outbox row is the
+# queue entry. One statement claims unpublished rows of the kinds the worker processes,
+# highest priority first, then oldest (the index outbox_claimable), skipping rows another
+# take holds or a relay has claimed, and records their publication (published_at, as the
+# relay did); then it locks visible messages on the queue table up to the same limit,
+# which only a relay still running beside the workers writes there. The caller leases
+# the jobs in the same transaction and settles the messages (SETTLE_MESSAGES).
+# Params: {kinds, now, limit, queue}; rows (outbox id, ref_id, dispatch, priority, kind,
+# None) for a claimed outbox row, (message id, None, None, None, None, payload) for a
+# message, in no particular order.
+TAKE = Statement("""
+WITH claimed AS (
+    UPDATE deliveries_outbox SET published_at = %(now)s
+    WHERE id IN (
+        SELECT id FROM deliveries_outbox
+        WHERE published_at IS NULL AND kind = ANY(%(kinds)b::text[])
+            AND (claimed_until IS NULL OR claimed_until < %(now)s)
+        ORDER BY priority DESC, created_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED
+    )
+    RETURNING id, ref_id, dispatch, priority, kind
+), queued AS (
+    SELECT id, payload FROM deliveries_queuemessage
+    WHERE queue = %(queue)s AND visible_at <= %(now)s
+    ORDER BY priority DESC, visible_at
+    LIMIT greatest(0, %(limit)s - (SELECT count(*) FROM claimed)) FOR UPDATE SKIP LOCKED
+)
+SELECT id, ref_id, dispatch, priority, kind, NULL::text FROM claimed
+UNION ALL
+SELECT id, NULL::uuid, NULL::int, NULL::smallint, NULL::text, payload FROM queued
+""")
+
+
+@TAKE.elsewhere
+def _(params):
+    # SQLite: the IMMEDIATE transaction holds the write lock; nobody else takes.
+    now, limit = params["now"], params["limit"]
+    rows = list(
+        Outbox.objects.filter(published_at__isnull=True, kind__in=params["kinds"])
+        .filter(Q(claimed_until__isnull=True) | Q(claimed_until__lt=now))
+        .order_by("-priority", "created_at")
+        .values_list("id", "ref_id", "dispatch", "priority", "kind")[:limit]
+    )
+    Outbox.objects.filter(id__in=[r[0] for r in rows]).update(published_at=now)
+    claimed = [(*r, None) for r in rows]
+    if len(claimed) >= limit:
+        return claimed
+    queued = LOCK_MESSAGES([params["queue"], now, limit - len(claimed)])
+    return claimed + [(i, None, None, None, None, payload) for i, payload in queued]
+
+
 # Entity locks.
 
 # Take free keys, take over expired locks, or renew our own: one statement (and, in

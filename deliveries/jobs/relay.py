@@ -1,7 +1,9 @@
 """The relay: publishes committed outbox rows to the broker, page by page. It is the
-bridge from the transaction that enqueued a job to the queue transport; with the
-database broker the queue is a table beside the outbox and the bridge is one
-transaction."""
+bridge from the transaction that enqueued a job to a queue transport outside the
+database (Redis). The database broker needs none: its workers claim the outbox rows
+themselves (``DatabaseBroker.take``). A relay run with it anyway keeps working: it moves
+pages into the broker's queue table in one transaction each, and the workers' take reads
+that table too."""
 
 from dataclasses import replace
 from datetime import timedelta

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Which named crash points (deliveries/jobs/faults.py) each role can be armed with.
 FAULT_POINTS = {
     "relay": ["relay.before_publish", "relay.after_publish"],
-    "worker": ["worker.after_lease", "worker.after_send"],
+    "worker": ["worker.before_take_commit", "worker.after_lease", "worker.after_send"],
     "scheduler": [],
     "jobs": [],
 }

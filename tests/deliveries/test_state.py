@@ -384,3 +384,31 @@ def test_recording_a_batch_of_failures_costs_the_same_statements_for_30_as_for_3
             assert state.record(results, now=NOW(), policy=policy).retrying == n
         counts.append(len(queries))
     assert counts[0] == counts[1]
+
+
+def test_a_mixed_batch_records_every_attempt_its_tallies_and_who_held_the_lease(
+    tenant, make_endpoint
+):
+    from deliveries.models import Attempt, AttemptMinute, EndpointHour
+    from deliveries.policy import classify
+
+    answers = [(200, ""), (200, ""), (503, ""), (503, "")]
+    results = failed_batch(tenant, make_endpoint, answers)
+    for r in results[:2]:
+        r.classification = classify(status=200)
+    # One success and one failure lost their leases: kept as attempts, nothing moved.
+    lost = {results[1].leased.id, results[3].leased.id}
+    Delivery.objects.filter(id__in=lost).update(lease_token=uuid.uuid4())
+    policy = RetryPolicy(schedule=(30,), jitter=0)
+
+    summary = state.record(results, now=NOW(), policy=policy)
+
+    assert (summary.succeeded, summary.retrying, summary.stale) == (1, 1, 2)
+    states = dict(Delivery.objects.values_list("id", "state"))
+    assert [states[r.leased.id] for r in results] == ["succeeded", "leased", "pending", "leased"]
+    recorded = dict(Attempt.objects.values_list("delivery_id", "recorded"))
+    assert [recorded[r.leased.id] for r in results] == [True, False, True, False]
+    assert Attempt.objects.get(delivery_id=results[0].leased.id).status_code == 200
+    outcomes = dict(AttemptMinute.objects.values_list("outcome", "attempts"))
+    assert outcomes == {"success": 2, str(results[2].classification.outcome): 2}
+    assert sum(EndpointHour.objects.values_list("attempts", flat=True)) == 4

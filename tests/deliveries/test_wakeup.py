@@ -284,3 +284,34 @@ def test_a_loop_that_stays_busy_still_reads_its_notifications(monkeypatch):
     assert not errors
     assert passes > 40
     assert sum(drained) >= 30, drained
+
+
+def test_a_recording_wakes_the_scheduler_only_when_a_delivery_left_its_lease(
+    tenant, make_endpoint, receiver
+):
+    from deliveries.policy import RetryPolicy, classify
+
+    make_endpoint(receiver.url("/ok"))
+    services.publish_event(tenant=tenant, event_type="t", payload={})
+    scheduler_tick()
+    d = Delivery.objects.get()
+    [leased], _ = state.lease([(d.id, 1)], now=timezone.now(), lease_seconds=60)
+
+    def result():
+        return state.AttemptResult(
+            leased=leased,
+            classification=classify(status=200),
+            started_at=timezone.now(),
+            duration_ms=1.0,
+            status_code=200,
+        )
+
+    policy = RetryPolicy(schedule=(30,), jitter=0)
+    with listening(wakeup.FREED) as scheduler:
+        with transaction.atomic():
+            assert state.record([result()], now=timezone.now(), policy=policy).succeeded == 1
+            assert not woke(scheduler, 0.2)  # not before the commit
+        assert woke(scheduler)
+        # The same result again: its lease is gone, nothing freed, no wake-up.
+        assert state.record([result()], now=timezone.now(), policy=policy).stale == 1
+        assert not woke(scheduler, 0.2)

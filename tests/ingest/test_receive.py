@@ -488,6 +488,20 @@ def test_run_workers_processes_inbound_and_reprocess_is_audited(stripe, applied)
     assert AuditEntry.objects.get(action="inbound.reprocess").count == 1
 
 
+def test_workers_take_inbound_events_from_the_outbox_with_no_relay(stripe, applied):
+    from deliveries.jobs.models import Outbox
+
+    post(stripe_event("evt_direct"))
+    assert Outbox.objects.get(kind="inbound").published_at is None
+
+    counts = run_workers(lanes=1)
+
+    assert counts["inbound.processed"] == 1, counts
+    assert [e[0] for e in applied] == ["evt_direct"]
+    assert InboundEvent.objects.get().state == "processed"
+    assert Outbox.objects.get(kind="inbound").published_at is not None
+
+
 def test_refusals_are_a_prometheus_metric(stripe, settings):
     from prometheus_client import REGISTRY
 

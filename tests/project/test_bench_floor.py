@@ -39,7 +39,6 @@ def test_the_floor_leaves_what_the_service_leaves(tenant, receiver, worker_optio
         )
         for role in (
             ["scheduler"],
-            ["relay"],
             ["worker", "--lanes", "2", "--batch", "8", *worker_options],
         )
     ]

@@ -1,3 +1,5 @@
+import logging
+
 from django.core.management.base import BaseCommand
 
 from deliveries.conf import settings
@@ -7,9 +9,15 @@ from deliveries.jobs.relay import relay_tick
 
 from ._loop import add_loop_arguments, settle_if_long_running
 
+logger = logging.getLogger("deliveries")
+
 
 class Command(BaseCommand):
-    help = "Publish outbox rows to the queue broker. Safe to run several at once."
+    help = (
+        "Publish outbox rows to a queue broker outside the database (Redis). Not needed "
+        "with the database broker, whose workers take the outbox directly. Safe to run "
+        "several at once."
+    )
 
     def add_arguments(self, parser):
         add_loop_arguments(parser)
@@ -18,6 +26,14 @@ class Command(BaseCommand):
         stop = StopFlag()
         stop.install()
         b = broker.get_broker()
+        if isinstance(b, broker.DatabaseBroker):
+            # It keeps working: the rows it publishes go through the queue table, which
+            # the workers' take also reads, one hop longer than their own claim.
+            logger.warning(
+                "run_relay is not needed with the database broker: the workers take the "
+                "outbox directly",
+                extra={"action": "relay.not_needed"},
+            )
         settle_if_long_running(once=once, until_idle=until_idle)
         totals = run_loop(
             "relay",
