@@ -170,7 +170,6 @@ def run_once(n: int, receiver, tally: Tally) -> dict:
     """One pass of the four stages over N events; the time each stage took."""
     from django.db import transaction
 
-    from deliveries.conf import settings
     from deliveries.jobs.broker import DatabaseBroker, get_broker
     from deliveries.jobs.relay import relay_tick
     from deliveries.models import Delivery, Tenant
@@ -211,7 +210,7 @@ def run_once(n: int, receiver, tally: Tally) -> dict:
             pass
 
     def work() -> None:
-        worker = Worker(lanes=settings.WORKER_LANES)
+        worker = Worker()
         asyncio.run(worker.run(stop=asyncio.Event(), until_idle=True))
 
     stage("publish", publish)

@@ -326,13 +326,13 @@ class Worker:
         *,
         batch_size: int | None = None,
         concurrency: int | None = None,
-        lanes: int = 4,
+        lanes: int | None = None,
         queue=None,
         egress: EgressSession | None = None,
         shutdown_grace: float | None = None,
     ) -> None:
         self.batch_size = batch_size or settings.WORKER_BATCH_SIZE
-        self.lanes = lanes
+        self.lanes = lanes or settings.WORKER_LANES
         self.queue = queue or broker.get_broker()
         self.policy = RetryPolicy.from_settings()
         # A prefetched delivery may wait for a request slot as long as a request can take
