@@ -348,7 +348,7 @@ class Worker:
         self.sending = 0
         self.prefetch = int(self.concurrency * PREFETCH)
         self.egress = egress
-        self.db = ThreadPoolExecutor(max_workers=lanes + 1, thread_name_prefix="worker-db")
+        self.db = ThreadPoolExecutor(max_workers=self.lanes + 1, thread_name_prefix="worker-db")
         self.counts: Counter = Counter()
         self.wake = asyncio.Event()
         self.idle_wait: float | None = None  # set when notifications wake idle lanes
