@@ -93,7 +93,7 @@ LABELS = {
     "ingest": "receive view (accepted)",
 }
 # Emptied before every step of the receive view (CASCADE reaches the rest).
-TARGET_RATIO = 0.5
+TARGET_RATIO = 0.6
 TARGET_P99_MS = 50.0
 SUSTAINED_SHARE = 0.95
 
