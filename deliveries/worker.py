@@ -149,14 +149,14 @@ def _take(queue, batch_size: int, lease_seconds: float) -> Taken:
         for kind in others:
             if kinds.processed(kind):
                 others[kind] = [(None, m) for _, m in others[kind]]
-        received = len(direct) + len(received)
+        taken = len(direct) + len(received)
     else:
         received = broker.receive(queue, batch_size)
         messages, others = _sort(received)
         claimed = _claim(messages, lease_seconds) if messages else None
-        received = len(received)
+        taken = len(received)
     ENDPOINT_LABELS.refresh_if_due()
-    return Taken(received, messages, others, claimed)
+    return Taken(taken, messages, others, claimed)
 
 
 def _processed_kinds() -> list[str]:
