@@ -297,24 +297,37 @@ async def run_worker(lanes: int, batch: int, *, egress: bool, db_thread: bool) -
             async def run(steps):
                 return await run_async(conn, steps)
 
-        while True:
-            took = await run(take_steps(queue, batch))
-            if took is None:
-                await asyncio.sleep(IDLE_SLEEP)
-                continue
-            leased, token = took
-            for item in leased:
-                if item[2] not in urls:
-                    urls[item[2]], secrets[item[2]] = await run(endpoint_steps(item[2]))
-            rows = await asyncio.gather(*(post(item) for item in leased))
-            await run(record_steps(leased, token, rows))
+        try:
+            while not stopping.is_set():
+                took = await run(take_steps(queue, batch))
+                if took is None:
+                    await asyncio.sleep(IDLE_SLEEP)
+                    continue
+                leased, token = took
+                for item in leased:
+                    if item[2] not in urls:
+                        urls[item[2]], secrets[item[2]] = await run(endpoint_steps(item[2]))
+                rows = await asyncio.gather(*(post(item) for item in leased))
+                await run(record_steps(leased, token, rows))
+        finally:
+            if db_thread:
+                await loop.run_in_executor(pool, conn.close)
+            else:
+                await conn.close()
 
     async with await psycopg.AsyncConnection.connect(connect_url(), autocommit=True) as conn:
         await conn.execute(REGISTER_SQL, registration("floor-worker"))
+    # SIGTERM ends the lanes between batches, as the service's worker stops: an exception
+    # raised by a signal handler at an arbitrary point could leave a lock of the thread
+    # pool held and the process hung at exit.
+    stopping = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stopping.set)
     try:
         await asyncio.gather(*(lane() for _ in range(lanes)))
     finally:
         await client.close()
+        if pool is not None:
+            pool.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         help="worker: blocking connections in a thread pool, as the service's worker",
     )
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the worker's loop takes it over
     setup()
     if args.role == "scheduler":
         run_scheduler(args.page)

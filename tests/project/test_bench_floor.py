@@ -50,9 +50,16 @@ def test_the_floor_leaves_what_the_service_leaves(tenant, receiver, worker_optio
             assert time.monotonic() < deadline, "the floor did not drain"
             time.sleep(0.1)
     finally:
+        hung = []
         for p in procs:
             p.terminate()
-            p.wait(10)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+                hung.append(p.args[2])
+    assert not hung, f"{hung} did not stop within 10 s of SIGTERM"
 
     deliveries = Delivery.objects.filter(event__tenant=tenant)
     assert {str(d.id) for d in deliveries} == ids
