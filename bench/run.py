@@ -1529,7 +1529,10 @@ def chart(result: dict, path: Path) -> None:
                 else "tab:blue"
                 for n, _ in items
             ]
-            ax.barh([n for n, _ in items], [v or 0 for _, v in items], color=colors)
+            loop = scen[key].get("bare_loop")
+            faster = f" (faster of {', '.join(map(str, loop['concurrencies']))})" if loop else ""
+            labels = [n + faster if n == BARE_LOOP else n for n, _ in items]
+            ax.barh(labels, [v or 0 for _, v in items], color=colors)
             bare = scen[key]["median_per_second"].get(BARE_LOOP)
             if bare:
                 target = THROUGHPUT_TARGETS["service_over_bare_loop"]
