@@ -12,9 +12,10 @@ run, medians, ratios, core count, load average, versions), ``results.md`` (the t
 and ``results.png`` (the chart); the jobs scenario the same to ``jobs.json``, ``jobs.md``
 and ``jobs.png``. Scenarios (see docs/benchmarks.md):
 
-* ``throughput``: N signed 1 KiB deliveries to the receiver by the bare aiohttp loop, a
-  bare SKIP LOCKED queue, the service, the statements floor (bench/floor.py: the
-  service's SQL without the service's Python) and each peer (bench/peers/); rate = N over the
+* ``throughput``: N signed 1 KiB deliveries to the receiver by the bare aiohttp loop (at
+  64 and at 256 requests in flight; the faster run of each repeat is its baseline), a bare
+  SKIP LOCKED queue, the service, the statements floor (bench/floor.py: the service's SQL
+  without the service's Python) and each peer (bench/peers/); rate = N over the
   receiver's first-to-last arrival, ratios taken within each repeat;
 * ``latency``: the service running, an open-model publisher publishing at fixed rates;
   latency = the receiver's first arrival of each delivery minus its scheduled time;
@@ -63,8 +64,17 @@ PEERS = {
 BASELINE_SKIP_LOCKED = "bare SKIP LOCKED"
 BASELINE_FLOOR = "statements floor"
 BASELINE_SIGNED = "bare loop, signed and checked"
-# Requests in flight in the bare aiohttp loop, and per worker process in the service.
-BARE_CONCURRENCY = 256
+# The bare aiohttp loop of each repeat: the faster of its runs at each of
+# ob.BARE_CONCURRENCIES requests in flight (ob.best_bare). Every outbound ratio and the CPU
+# per request are taken against it; its runs at each count have rows of their own.
+BARE_LOOP = "bare aiohttp loop"
+
+
+def bare_loop_at(concurrency: int) -> str:
+    """The row of the bare loop's runs at ``concurrency`` requests in flight."""
+    return f"{BARE_LOOP}, {concurrency} in flight"
+
+
 # Every scenario runs the product's defaults (deliveries/conf.py DEFAULTS, one
 # run_workers per core as docs/deployment.md runs them) but for what is set here, each
 # with its reason. Every process: EGRESS_ALLOW_NETWORKS=127.0.0.0/8 (ob.pipeline_env),
@@ -83,10 +93,11 @@ SERVICE_ENV = {
 # leased ahead). The default, 200, also bounds the inbound events one processing
 # transaction runs the host's handlers for (docs/inbound.md), too many at once there.
 SERVICE_BATCH_SIZE = 500
-# Requests in flight per worker process: the bare loop's 256, against a receiver that
-# answers at once. The default, 512, leaves the healthy endpoints room beside one that
-# hangs at its ceiling of 500 (docs/reliability.md), at some CPU per request here.
-SERVICE_CONCURRENCY = BARE_CONCURRENCY
+# Requests in flight per worker process: 256, the bare loop's larger count, against a
+# receiver that answers at once. The default, 512, leaves the healthy endpoints room
+# beside one that hangs at its ceiling of 500 (docs/reliability.md), at some CPU per
+# request here. The signed loop keeps as many in flight as one worker process.
+SERVICE_CONCURRENCY = 256
 # The Redis broker's row: django-q2's Redis broker on the peers' Redis database (7,
 # flushed before each run), the relay publishing to it.
 REDIS_BROKER_ENV = {
@@ -317,7 +328,7 @@ def cpu_summary(systems: dict[str, list[dict]], n: int) -> dict:
     and whether the median ratio meets CPU_TARGET."""
     runs = [
         c
-        for bare, service in zip(systems["bare aiohttp loop"], systems["service"], strict=False)
+        for bare, service in zip(systems[BARE_LOOP], systems["service"], strict=False)
         if (c := cpu_over_bare_loop(bare, service, n))
     ]
     out: dict = {"runs": runs, **{k: median(c[k] for c in runs) for k in (runs[0] if runs else {})}}
@@ -371,13 +382,17 @@ def scenario_throughput(ctx: dict) -> dict:
         run["per_second"] = receiver_rate(receiver.counts(), n)
         return run
 
+    def client_loop(concurrency: int, *, signed: bool) -> dict:
+        loop = ob.run_bare(receiver, n, concurrency, signed=signed)
+        loop["wall_per_second"] = loop["per_second"]
+        loop["per_second"] = receiver_rate(receiver.counts(), n)
+        return loop
+
     for i in range(ctx["repeat"]):
         log(f"throughput {i + 1}/{ctx['repeat']}, N = {n:,}")
-        for name, signed in (("bare aiohttp loop", False), (BASELINE_SIGNED, True)):
-            loop = ob.run_bare(receiver, n, BARE_CONCURRENCY, signed=signed)
-            loop["wall_per_second"] = loop["per_second"]
-            loop["per_second"] = receiver_rate(receiver.counts(), n)
-            add(name, loop)
+        for concurrency in ob.BARE_CONCURRENCIES:
+            add(bare_loop_at(concurrency), client_loop(concurrency, signed=False))
+        add(BASELINE_SIGNED, client_loop(SERVICE_CONCURRENCY, signed=True))
         add(BASELINE_SKIP_LOCKED, run_peer(BASELINE_SKIP_LOCKED, "skiplocked.py", [], n, ctx))
         add("service", drain(pipeline, fresh_publish=(i == 0)))
         flush_bench_redis()
@@ -392,44 +407,8 @@ def scenario_throughput(ctx: dict) -> dict:
                 continue
             add(name, run_peer(name, script, extra, n, ctx))
 
-    med = {name: median(r["per_second"] for r in runs) for name, runs in systems.items()}
-    peers = [name for name in PEERS if name in med]
-
-    def ratio_in_run(other: str, of: str = "service") -> float | None:
-        return ratio_in_repeats(systems, of, other)
-
-    fastest = max(peers, key=lambda p: med[p] or 0) if peers else None
-    repeats = zip(
-        systems["bare aiohttp loop"],
-        systems[BASELINE_SIGNED],
-        systems["service"],
-        systems.get(BASELINE_FLOOR, []),
-        strict=False,
-    )
-    cores = os.cpu_count() or 1
-    ceilings, bounds = [], []
-    for bare, signed, service, floor in repeats:
-        if c := statements_ceiling(bare, [service, floor], n, cores):
-            ceilings.append(c)
-        if b := design_bound(bare, signed, service, [service, floor], n, cores):
-            bounds.append(b)
-    ratios = {
-        "service_over_bare_loop": ratio_in_run("bare aiohttp loop"),
-        "redis_broker_over_bare_loop": ratio_in_run("bare aiohttp loop", of=SERVICE_REDIS),
-        "spread_over_bare_loop": ratio_in_run("bare aiohttp loop", of=SERVICE_SPREAD),
-        f"service_over_{SERVICE_REDIS}": ratio_in_run(SERVICE_REDIS),
-        f"service_over_{SERVICE_SPREAD}": ratio_in_run(SERVICE_SPREAD),
-        "service_over_skip_locked": ratio_in_run(BASELINE_SKIP_LOCKED),
-        "service_over_statements_floor": ratio_in_run(BASELINE_FLOOR),
-        "service_over_signed_loop": ratio_in_run(BASELINE_SIGNED),
-        "statements_floor_over_bare_loop": ratio_in_run("bare aiohttp loop", of=BASELINE_FLOOR),
-        "signed_loop_over_bare_loop": ratio_in_run("bare aiohttp loop", of=BASELINE_SIGNED),
-        # The fastest peer of each repeat, then the service's ratio to it in that repeat.
-        "service_over_fastest_peer": over_fastest_peer(systems, peers, "service")
-        if peers
-        else None,
-        **{f"service_over_{p}": ratio_in_run(p) for p in peers},
-    }
+    summary = throughput_summary(systems, n, os.cpu_count() or 1)
+    log(f"  {BARE_LOOP}: in flight by repeat {summary['bare_loop']['better_by_repeat']}")
     return {
         "events": n,
         "service_pipeline": {
@@ -439,6 +418,72 @@ def scenario_throughput(ctx: dict) -> dict:
             "env": pipeline.env,
             "redis_broker_env": REDIS_BROKER_ENV,
             "spread_workers": SPREAD_WORKERS,
+        },
+        **summary,
+    }
+
+
+def bare_loop_repeats(systems: dict[str, list[dict]]) -> list[dict]:
+    """Per repeat, the bare loop that repeat's outbound ratios are taken against:
+    ``ob.best_bare`` of its runs at each of ob.BARE_CONCURRENCIES (rows ``bare_loop_at``)."""
+    by_count = [systems.get(bare_loop_at(c), []) for c in ob.BARE_CONCURRENCIES]
+    return [ob.best_bare(list(runs)) for runs in zip(*by_count, strict=False)]
+
+
+def throughput_summary(systems: dict[str, list[dict]], n: int, cores: int) -> dict:
+    """The throughput scenario's figures from its runs (``systems``: each row's runs, one
+    a repeat): the bare loop of each repeat (``bare_loop_repeats``, added to ``systems``
+    as BARE_LOOP), the medians, every ratio taken within a repeat, the CPU per delivery
+    against the bare request, the statements ceiling and the design bound."""
+    systems[BARE_LOOP] = bare_loop_repeats(systems)
+    med = {name: median(r["per_second"] for r in runs) for name, runs in systems.items()}
+    peers = [name for name in PEERS if name in med]
+
+    def ratio_in_run(other: str, of: str = "service") -> float | None:
+        return ratio_in_repeats(systems, of, other)
+
+    fastest = max(peers, key=lambda p: med[p] or 0) if peers else None
+    repeats = zip(
+        systems[BARE_LOOP],
+        systems.get(BASELINE_SIGNED, []),
+        systems.get("service", []),
+        systems.get(BASELINE_FLOOR, []),
+        strict=False,
+    )
+    ceilings, bounds = [], []
+    for bare, signed, service, floor in repeats:
+        if c := statements_ceiling(bare, [service, floor], n, cores):
+            ceilings.append(c)
+        if b := design_bound(bare, signed, service, [service, floor], n, cores):
+            bounds.append(b)
+    ratios = {
+        "service_over_bare_loop": ratio_in_run(BARE_LOOP),
+        "redis_broker_over_bare_loop": ratio_in_run(BARE_LOOP, of=SERVICE_REDIS),
+        "spread_over_bare_loop": ratio_in_run(BARE_LOOP, of=SERVICE_SPREAD),
+        f"service_over_{SERVICE_REDIS}": ratio_in_run(SERVICE_REDIS),
+        f"service_over_{SERVICE_SPREAD}": ratio_in_run(SERVICE_SPREAD),
+        "service_over_skip_locked": ratio_in_run(BASELINE_SKIP_LOCKED),
+        "service_over_statements_floor": ratio_in_run(BASELINE_FLOOR),
+        "service_over_signed_loop": ratio_in_run(BASELINE_SIGNED),
+        "statements_floor_over_bare_loop": ratio_in_run(BARE_LOOP, of=BASELINE_FLOOR),
+        "signed_loop_over_bare_loop": ratio_in_run(BARE_LOOP, of=BASELINE_SIGNED),
+        # The fastest peer of each repeat, then the service's ratio to it in that repeat.
+        "service_over_fastest_peer": over_fastest_peer(systems, peers, "service")
+        if peers
+        else None,
+        **{f"service_over_{p}": ratio_in_run(p) for p in peers},
+        **{
+            f"service_over_{bare_loop_at(c)}": ratio_in_run(bare_loop_at(c))
+            for c in ob.BARE_CONCURRENCIES
+        },
+    }
+    return {
+        "bare_loop": {
+            "concurrencies": list(ob.BARE_CONCURRENCIES),
+            # Per repeat, the requests in flight of the faster run: the baseline of every
+            # ratio to the bare loop in that repeat.
+            "better_by_repeat": [b["concurrency"] for b in systems[BARE_LOOP]],
+            "median_per_second": {str(c): med.get(bare_loop_at(c)) for c in ob.BARE_CONCURRENCIES},
         },
         "cpu_over_bare_loop": cpu_summary(systems, n),
         "median_per_second": med,
@@ -1164,7 +1209,7 @@ def markdown(result: dict) -> str:
     tp = result["scenarios"].get("throughput")
     if tp:
         n = tp["events"]
-        bare = tp["median_per_second"]["bare aiohttp loop"]
+        bare = tp["median_per_second"][BARE_LOOP]
         service = tp["median_per_second"]["service"]
         lines += [
             f"## Outbound throughput (N = {n:,}, deliveries/s from the receiver's first to "
@@ -1178,7 +1223,7 @@ def markdown(result: dict) -> str:
                 ratio = ""
             else:
                 key = {
-                    "bare aiohttp loop": "service_over_bare_loop",
+                    BARE_LOOP: "service_over_bare_loop",
                     BASELINE_SKIP_LOCKED: "service_over_skip_locked",
                     BASELINE_FLOOR: "service_over_statements_floor",
                     BASELINE_SIGNED: "service_over_signed_loop",
@@ -1199,6 +1244,7 @@ def markdown(result: dict) -> str:
             f"{'met' if _meets(tp, 'service_over_fastest_peer') else 'NOT met'}). "
             f"Service: {fmt(service)}/s, bare loop {fmt(bare)}/s.",
             "",
+            *bare_loop_markdown(tp),
         ]
         floor_ratio = tp["ratios"].get("statements_floor_over_bare_loop")
         if floor_ratio is not None:
@@ -1321,6 +1367,23 @@ def markdown(result: dict) -> str:
             "",
         ]
     return "\n".join(lines)
+
+
+def bare_loop_markdown(tp: dict) -> list[str]:
+    """Which count of requests in flight made each repeat's bare loop, and each count's
+    median rate (nothing for results recorded when the loop ran at one count)."""
+    loop = tp.get("bare_loop")
+    if not loop:
+        return []
+    counts = " and ".join(str(c) for c in loop["concurrencies"])
+    by_repeat = ", ".join(str(c) for c in loop["better_by_repeat"])
+    rates = ", ".join(f"{fmt(r)}/s at {c}" for c, r in loop["median_per_second"].items())
+    return [
+        f"Bare loop: the faster of {counts} requests in flight in each repeat, the baseline "
+        "of every ratio to the bare loop and of the CPU per request in that repeat. The "
+        f"faster by repeat: {by_repeat} in flight; medians {rates}.",
+        "",
+    ]
 
 
 def throughput_variants_markdown(tp: dict) -> list[str]:
@@ -1466,8 +1529,11 @@ def chart(result: dict, path: Path) -> None:
                 else "tab:blue"
                 for n, _ in items
             ]
-            ax.barh([n for n, _ in items], [v or 0 for _, v in items], color=colors)
-            bare = scen[key]["median_per_second"].get("bare aiohttp loop")
+            loop = scen[key].get("bare_loop")
+            faster = f" (faster of {', '.join(map(str, loop['concurrencies']))})" if loop else ""
+            labels = [n + faster if n == BARE_LOOP else n for n, _ in items]
+            ax.barh(labels, [v or 0 for _, v in items], color=colors)
+            bare = scen[key]["median_per_second"].get(BARE_LOOP)
             if bare:
                 target = THROUGHPUT_TARGETS["service_over_bare_loop"]
                 ax.axvline(bare * target, color="tab:red", linestyle="--",
@@ -1573,10 +1639,16 @@ def versions(ctx: dict) -> dict:
     out["django-q2 Redis"] = f"django-q2 {v('django-q2')}, redis-py {v('redis')}"
     out["procrastinate"] = f"procrastinate {v('procrastinate')}"
     out["Celery Redis"] = f"celery {v('celery')}, kombu {v('kombu')}"
-    out["bare aiohttp loop"] = f"aiohttp {v('aiohttp')}, {BARE_CONCURRENCY} in flight"
+    counts = " and ".join(str(c) for c in ob.BARE_CONCURRENCIES)
+    out[BARE_LOOP] = f"aiohttp {v('aiohttp')}, the faster of {counts} in flight in each repeat"
+    for c in ob.BARE_CONCURRENCIES:
+        out[bare_loop_at(c)] = f"aiohttp {v('aiohttp')}, {c} in flight"
     out[BASELINE_SKIP_LOCKED] = f"psycopg {v('psycopg')} + aiohttp"
     out[BASELINE_FLOOR] = "the service's SQL from bench/floor.py: no Django, no ceilings"
-    out[BASELINE_SIGNED] = "the bare loop with the worker's headers, through deliveries.egress"
+    out[BASELINE_SIGNED] = (
+        f"the bare loop with the worker's headers, through deliveries.egress, "
+        f"{SERVICE_CONCURRENCY} in flight"
+    )
     p = service_pipeline({})
     out["service"] = (
         f"{p.workers} run_workers (--batch-size {p.batch_size} "
