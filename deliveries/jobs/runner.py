@@ -55,7 +55,7 @@ from .job_queries import (
 )
 from .locks import entity_lock_acquire, entity_lock_release
 from .loop import DB_ERRORS, Backoff, StopFlag, reset_connection, with_db_retry
-from .metrics import count_run
+from .metrics import count_runs
 from .models import JobOutcome
 
 logger = logging.getLogger("deliveries.jobs")
@@ -558,7 +558,7 @@ class JobWorker:
             raise
         for result in results:
             self._log(result, recorded=result.entry.job.id in moved)
-            count_run(result.entry.job.type, result.outcome, result.seconds)
+        count_runs((r.entry.job.type, r.outcome, r.seconds) for r in results)
         return len(results)
 
     def _record_params(self, results: Iterable[Result], now: datetime) -> dict:
