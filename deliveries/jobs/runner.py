@@ -49,9 +49,10 @@ from .job_queries import (
     DEAD,
     DONE,
     PENDING,
-    RECORD_FIELDS,
+    RECORD_DEFAULTS,
     RECORD_JOBS,
     RENEW_JOBS,
+    record_params,
 )
 from .locks import entity_lock_acquire, entity_lock_release
 from .loop import DB_ERRORS, Backoff, StopFlag, reset_connection, with_db_retry
@@ -598,37 +599,34 @@ class JobWorker:
         return len(results)
 
     def _record_params(self, results: Iterable[Result], now: datetime) -> dict:
-        params = {name: [] for name in RECORD_FIELDS}
-        for r in results:
+        rows, others = [], []
+        for nth, r in enumerate(results, 1):
             job = r.entry.job
             state, run_at, reason, uncount = self._next_state(r, now)
             r.reason = reason
             running = r.entry.running
-            values = {
-                "id": job.id,
-                "token": job.token,
-                "state": state,
-                "run_at": run_at,
-                "error": r.error,
-                "reason": reason[:500],
-                "uncount": uncount,
-                "reported": running.reported,
-                "done": running.done or 0,
-                "total": -1 if running.total is None else running.total,
-                "outcome": r.outcome,
-                "attempt": job.attempt,
-                "started": r.entry.started,
-                "duration_ms": round(r.seconds * 1000, 3),
-                "trace": r.trace or r.error,
-                "keep_lock": r.keep_lock,
-                "result": r.result,
-                "error_class": r.error_class,
-            }
-            for name in RECORD_FIELDS:
-                params[name].append(values[name])
+            rows.append(
+                (job.id, job.token, job.attempt, r.entry.started, round(r.seconds * 1000, 3))
+            )
+            other = (  # RECORD_OTHER_FIELDS
+                state,
+                run_at if state == PENDING else None,
+                r.error,
+                reason[:500],
+                uncount,
+                running.reported,
+                running.done or 0,
+                -1 if running.total is None else running.total,
+                r.outcome,
+                r.trace or r.error,
+                r.keep_lock,
+                r.result,
+                r.error_class,
+            )
+            if other != RECORD_DEFAULTS:
+                others.append((nth, *other))
             self.counts[str(r.outcome or "lock_busy")] += 1
-        params.update(now=now, run_id=self.run_id)
-        return params
+        return record_params(rows, others, now=now, run_id=self.run_id)
 
     def _next_state(self, r: Result, now: datetime) -> tuple[str, datetime, str, int]:
         """(state, run_at, dead reason, attempts given back) after a result."""
