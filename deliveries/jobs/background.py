@@ -17,7 +17,6 @@ schedule, run by ``run_scheduler``, returns expired leases and ends jobs past th
 deadline (``jobs_schedule``). Guide: docs/jobs.md.
 """
 
-import asyncio
 import contextvars
 import inspect
 import json
@@ -379,11 +378,11 @@ def call_sync(spec: JobType, running: RunningJob, payload: dict):
 
 
 async def call_async(spec: JobType, running: RunningJob, payload: dict):
-    """Run a coroutine job on the worker's loop with ``current_job()`` set, cut off at
-    its timeout (``TimeoutError``)."""
+    """Run a coroutine job on the worker's loop with ``current_job()`` set. Its timeout
+    is the worker's to enforce: it cancels the task there, as ``asyncio.timeout`` would,
+    with one timer for the coroutines a claim started (``runner.Deadline``)."""
     _current.set(running)  # this task's own context
-    async with asyncio.timeout(spec.timeout):
-        return await spec.fn(**payload)
+    return await spec.fn(**payload)
 
 
 # --- The "job" kind's schedule (run by run_scheduler) -----------------------------------

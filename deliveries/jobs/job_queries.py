@@ -192,11 +192,34 @@ def _(params):
 # --- Record --------------------------------------------------------------------------------
 
 # What one finished (or given back) job records: the row's next state, and the run.
-RECORD_FIELDS = (
-    "id", "token", "state", "run_at", "error", "reason", "uncount", "reported", "done",
-    "total", "outcome", "attempt", "started", "duration_ms", "trace", "keep_lock", "result",
-    "error_class",
+# Every job sends RECORD_FIELDS; the rest, RECORD_OTHER_FIELDS, only a job whose values
+# are not RECORD_DEFAULTS (a plain run that returned: done, no error, progress or
+# result), with its place in the batch (``nth``, from 1). Most batches are all plain
+# runs, and each array element is Python work for the driver (psycopg dumps arrays
+# element by element) and for the server's unnest.
+RECORD_FIELDS = ("id", "token", "attempt", "started", "duration_ms")
+RECORD_OTHER_FIELDS = (
+    "state", "run_at", "error", "reason", "uncount", "reported", "done", "total", "outcome",
+    "trace", "keep_lock", "result", "error_class",
 )  # fmt: skip
+RECORD_DEFAULTS = (DONE, None, "", "", 0, False, 0, -1, JobOutcome.DONE, "", False, "", "")
+
+
+def record_params(rows: list[tuple], others: list[tuple], *, now: datetime, run_id) -> dict:
+    """RECORD_JOBS's parameters: ``rows`` one tuple of RECORD_FIELDS per job, ``others``
+    one of ``nth`` and RECORD_OTHER_FIELDS per job that does not take the defaults."""
+
+    def arrays(names: tuple[str, ...], tuples: list[tuple]) -> dict:
+        columns = zip(*tuples, strict=True) if tuples else ([] for _ in names)
+        return {name: list(column) for name, column in zip(names, columns, strict=True)}
+
+    return {
+        **arrays(RECORD_FIELDS, rows),
+        **arrays(("nth", *RECORD_OTHER_FIELDS), others),
+        "now": now,
+        "run_id": run_id,
+    }
+
 
 # Record a batch: move each job out of running, for its lease holder only (a job whose
 # lease was lost to the sweep is left as the sweep made it), append its run ("" outcome:
@@ -207,18 +230,27 @@ RECORD_FIELDS = (
 # ``run_at`` is read for pending only; progress (``reported``) is written when set, a
 # ``total`` of -1 meaning unknown; ``result`` is the JSON text of a return value the job's
 # type keeps ("" for none), ``error_class`` the import path of the exception the run
-# raised. Params: one array per RECORD_FIELDS name, with now and run_id; rows (id,) of the
-# jobs moved.
+# raised. Params: ``record_params``; rows (id,) of the jobs moved.
 RECORD_JOBS = Statement("""
-WITH r AS (
-    SELECT * FROM unnest(%(id)b::uuid[], %(token)b::uuid[], %(state)b::text[],
-        %(run_at)b::timestamptz[], %(error)b::text[], %(reason)b::text[], %(uncount)b::int4[],
-        %(reported)b::bool[], %(done)b::int8[], %(total)b::int8[], %(outcome)b::text[],
-        %(attempt)b::int4[], %(started)b::timestamptz[], %(duration_ms)b::float8[],
-        %(trace)b::text[], %(keep_lock)b::bool[], %(result)b::text[],
-        %(error_class)b::text[])
-    AS r(id, token, state, run_at, error, reason, uncount, reported, done, total, outcome,
-        attempt, started, duration_ms, trace, keep_lock, result, error_class)
+WITH o AS (
+    SELECT * FROM unnest(%(nth)b::int4[], %(state)b::text[], %(run_at)b::timestamptz[],
+        %(error)b::text[], %(reason)b::text[], %(uncount)b::int4[], %(reported)b::bool[],
+        %(done)b::int8[], %(total)b::int8[], %(outcome)b::text[], %(trace)b::text[],
+        %(keep_lock)b::bool[], %(result)b::text[], %(error_class)b::text[])
+    AS o(nth, state, run_at, error, reason, uncount, reported, done, total, outcome, trace,
+        keep_lock, result, error_class)
+), r AS (
+    SELECT b.id, b.token, b.attempt, b.started, b.duration_ms,
+        coalesce(o.state, 'done') AS state, o.run_at, coalesce(o.error, '') AS error,
+        coalesce(o.reason, '') AS reason, coalesce(o.uncount, 0) AS uncount,
+        coalesce(o.reported, false) AS reported, coalesce(o.done, 0) AS done,
+        coalesce(o.total, -1) AS total, coalesce(o.outcome, 'done') AS outcome,
+        coalesce(o.trace, '') AS trace, coalesce(o.keep_lock, false) AS keep_lock,
+        coalesce(o.result, '') AS result, coalesce(o.error_class, '') AS error_class
+    FROM unnest(%(id)b::uuid[], %(token)b::uuid[], %(attempt)b::int4[],
+        %(started)b::timestamptz[], %(duration_ms)b::float8[])
+        WITH ORDINALITY AS b(id, token, attempt, started, duration_ms, nth)
+    LEFT JOIN o ON o.nth = b.nth
 ), moved AS (
     UPDATE trusty_jobs_job j
     SET state = r.state, lease_token = NULL, lease_until = NULL,
@@ -248,13 +280,26 @@ SELECT id FROM moved
 """)
 
 
+def _record_rows(params: dict):
+    """Each job's fields of RECORD_JOBS's parameters by name, the defaults filled in."""
+    others = {nth: k for k, nth in enumerate(params["nth"])}
+    for i in range(len(params["id"])):
+        row = {name: params[name][i] for name in RECORD_FIELDS}
+        k = others.get(i + 1)
+        if k is None:
+            row.update(zip(RECORD_OTHER_FIELDS, RECORD_DEFAULTS, strict=True))
+        else:
+            row.update((name, params[name][k]) for name in RECORD_OTHER_FIELDS)
+        yield row
+
+
 @RECORD_JOBS.elsewhere
 def _(params):
     now = params["now"]
     moved = []
     with transaction.atomic():
-        for i, job_id in enumerate(params["id"]):
-            r = {name: params[name][i] for name in RECORD_FIELDS}
+        for r in _record_rows(params):
+            job_id = r["id"]
             fields = {
                 "state": r["state"],
                 "lease_token": None,

@@ -39,13 +39,21 @@ def type_label(job_type: str) -> str:
     return job_type if job_type in JOB_TYPES else "unknown"
 
 
-def count_run(job_type: str, outcome: str, seconds: float) -> None:
-    """One recorded run (``runner``); a job given back for a busy entity lock is no run."""
-    if not outcome:
-        return
-    label = type_label(job_type)
-    JOB_RUNS.labels(label, outcome).inc()
-    JOB_RUN_DURATION.labels(label).observe(seconds)
+def count_runs(runs: Iterable[tuple[str, str, float]]) -> None:
+    """Recorded runs, each (job type, outcome, seconds), as ``runner`` records a batch:
+    the label lookups and the counter's increment once per type and outcome, the
+    durations observed one by one. A job given back for a busy entity lock (outcome "")
+    is no run."""
+    durations: dict[tuple[str, str], list[float]] = {}
+    for job_type, outcome, seconds in runs:
+        if outcome:
+            durations.setdefault((job_type, outcome), []).append(seconds)
+    for (job_type, outcome), seconds in durations.items():
+        label = type_label(job_type)
+        JOB_RUNS.labels(label, outcome).inc(len(seconds))
+        histogram = JOB_RUN_DURATION.labels(label)
+        for value in seconds:
+            histogram.observe(value)
 
 
 def job_gauges(now: float) -> Iterable[Metric]:

@@ -49,13 +49,14 @@ from .job_queries import (
     DEAD,
     DONE,
     PENDING,
-    RECORD_FIELDS,
+    RECORD_DEFAULTS,
     RECORD_JOBS,
     RENEW_JOBS,
+    record_params,
 )
 from .locks import entity_lock_acquire, entity_lock_release
 from .loop import DB_ERRORS, Backoff, StopFlag, reset_connection, with_db_retry
-from .metrics import count_run
+from .metrics import count_runs
 from .models import JobOutcome
 
 logger = logging.getLogger("deliveries.jobs")
@@ -99,6 +100,8 @@ class InFlight:
     last_progress: tuple | None = None
     # Its entity lock was found taken over at a renewal (logged once).
     lock_lost: bool = False
+    # A coroutine cancelled at its timeout (``Deadline``): its cancellation is a timeout.
+    timed_out: bool = False
 
 
 @dataclass
@@ -217,9 +220,32 @@ class ThreadPool:
             thread.join(timeout=max(deadline - time.monotonic(), 0))
 
 
+class Deadline:
+    """The timeout of the coroutines a claim started with the same ``timeout``: one timer
+    on the loop for them all instead of an ``asyncio.timeout`` each (a timer handle, its
+    place in the loop's heap and its cancellation per job). At the timer, each still
+    running is marked timed out and cancelled, as ``asyncio.timeout`` does; once all have
+    ended the timer is cancelled, which lets go of their entries."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, seconds: float) -> None:
+        self.running: dict[asyncio.Task, InFlight] = {}
+        self.handle = loop.call_later(seconds, self._expire)
+
+    def _expire(self) -> None:
+        for task, entry in self.running.items():  # cancel() runs no callback at once
+            entry.timed_out = True
+            task.cancel()
+
+    def ended(self, task: asyncio.Task) -> None:
+        self.running.pop(task, None)
+        if not self.running:
+            self.handle.cancel()
+
+
 class EventLoopThread:
     """The worker's event loop, where coroutine jobs run, in a daemon thread. A claim's
-    coroutines are handed over at once (one wake-up of the loop for the batch)."""
+    coroutines are handed over at once (one wake-up of the loop for the batch), with a
+    ``Deadline`` per timeout among them."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -231,10 +257,19 @@ class EventLoopThread:
         it ends."""
 
         def start() -> None:
+            deadlines: dict[float, Deadline] = {}
             for entry, coro in batch:
                 task = self.loop.create_task(coro)
                 entry.future = task
-                task.add_done_callback(lambda t, e=entry: done(e, t))
+                seconds = entry.spec.timeout
+                if seconds is None:
+                    task.add_done_callback(lambda t, e=entry: done(e, t))
+                    continue
+                deadline = deadlines.get(seconds)
+                if deadline is None:
+                    deadline = deadlines[seconds] = Deadline(self.loop, seconds)
+                deadline.running[task] = entry
+                task.add_done_callback(lambda t, e=entry, d=deadline: (d.ended(t), done(e, t)))
 
         self.loop.call_soon_threadsafe(start)
 
@@ -490,6 +525,8 @@ class JobWorker:
         # Cancelled by the worker (a release), its outcome is settled already; cancelled
         # from within, it is an error like any other.
         exc = asyncio.CancelledError() if task.cancelled() else task.exception()
+        if entry.timed_out and isinstance(exc, asyncio.CancelledError):
+            exc = TimeoutError()  # its Deadline's cancellation, as asyncio.timeout says it
         value = task.result() if exc is None else None
         self._finish(entry, classify(entry, exc, time.monotonic() - entry.t0, value))
 
@@ -520,7 +557,7 @@ class JobWorker:
             for entry in self.in_flight.values():
                 if entry.timeout_at is not None and now >= entry.timeout_at and not entry.settled:
                     if entry.spec.is_async and now < entry.timeout_at + 5:
-                        continue  # wait_for cancels it; this is for one that ignores that
+                        continue  # its Deadline cancels it; this is for one that ignores that
                     entry.settled = True
                     self.finished.append(_timed_out(entry, now - entry.t0, still_running=True))
 
@@ -558,41 +595,38 @@ class JobWorker:
             raise
         for result in results:
             self._log(result, recorded=result.entry.job.id in moved)
-            count_run(result.entry.job.type, result.outcome, result.seconds)
+        count_runs((r.entry.job.type, r.outcome, r.seconds) for r in results)
         return len(results)
 
     def _record_params(self, results: Iterable[Result], now: datetime) -> dict:
-        params = {name: [] for name in RECORD_FIELDS}
-        for r in results:
+        rows, others = [], []
+        for nth, r in enumerate(results, 1):
             job = r.entry.job
             state, run_at, reason, uncount = self._next_state(r, now)
             r.reason = reason
             running = r.entry.running
-            values = {
-                "id": job.id,
-                "token": job.token,
-                "state": state,
-                "run_at": run_at,
-                "error": r.error,
-                "reason": reason[:500],
-                "uncount": uncount,
-                "reported": running.reported,
-                "done": running.done or 0,
-                "total": -1 if running.total is None else running.total,
-                "outcome": r.outcome,
-                "attempt": job.attempt,
-                "started": r.entry.started,
-                "duration_ms": round(r.seconds * 1000, 3),
-                "trace": r.trace or r.error,
-                "keep_lock": r.keep_lock,
-                "result": r.result,
-                "error_class": r.error_class,
-            }
-            for name in RECORD_FIELDS:
-                params[name].append(values[name])
+            rows.append(
+                (job.id, job.token, job.attempt, r.entry.started, round(r.seconds * 1000, 3))
+            )
+            other = (  # RECORD_OTHER_FIELDS
+                state,
+                run_at if state == PENDING else None,
+                r.error,
+                reason[:500],
+                uncount,
+                running.reported,
+                running.done or 0,
+                -1 if running.total is None else running.total,
+                r.outcome,
+                r.trace or r.error,
+                r.keep_lock,
+                r.result,
+                r.error_class,
+            )
+            if other != RECORD_DEFAULTS:
+                others.append((nth, *other))
             self.counts[str(r.outcome or "lock_busy")] += 1
-        params.update(now=now, run_id=self.run_id)
-        return params
+        return record_params(rows, others, now=now, run_id=self.run_id)
 
     def _next_state(self, r: Result, now: datetime) -> tuple[str, datetime, str, int]:
         """(state, run_at, dead reason, attempts given back) after a result."""

@@ -138,6 +138,19 @@ def times_out(seconds=2.0):
     time.sleep(seconds)
 
 
+@job("test.async_timeout", timeout=0.3, max_attempts=1)
+async def async_times_out(label="", seconds=2.0):
+    """A coroutine past its timeout (when ``seconds`` > 0.3): it is cancelled there. A
+    cancelled run says so in the marks, with the time it was cut off."""
+    started = time.time()
+    try:
+        await asyncio.sleep(seconds)
+    except asyncio.CancelledError:
+        await sync_to_async(_mark_and_close)(f"{label}:cancelled", started)
+        raise
+    await sync_to_async(_mark_and_close)(label, started)
+
+
 @job("test.versioned", version=2)
 def versioned(label="", amount_cents=0):
     _mark(f"{label}:{amount_cents}", time.time())

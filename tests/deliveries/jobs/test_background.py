@@ -245,6 +245,24 @@ def test_a_timeout_is_a_failed_attempt():
 
 
 @both
+def test_a_coroutine_past_its_timeout_is_cancelled_there_and_its_batch_mates_are_not():
+    late = enqueue("test.async_timeout", {"label": "late", "seconds": 5})
+    quick = enqueue("test.async_timeout", {"label": "quick", "seconds": 0.01})
+    started = time.monotonic()
+    work(grace=0)
+    assert time.monotonic() - started < 2.5  # cut off at 0.3 s, not at the 5 s return
+    assert state_of(quick).state == JobState.DONE
+    row = state_of(late)
+    assert row.state == JobState.DEAD
+    assert "timed out after 0.3 s" in row.dead_reason
+    (cut,) = marks("late:cancelled")
+    assert cut[0] == str(late.id) and 0.25 < cut[5] - cut[4] < 2.0
+    assert not marks("late") and len(marks("quick")) == 1
+    outcomes = dict(JobRun.objects.values_list("job_id", "outcome"))
+    assert outcomes == {late.id: "timeout", quick.id: "done"}
+
+
+@both
 def test_payloads_a_worker_cannot_read_go_dead_with_the_reason():
     now = timezone.now()
 
