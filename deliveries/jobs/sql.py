@@ -12,6 +12,7 @@ escaping it (about 2 µs a uuid and 5 µs a timestamp); in binary, 0.2-0.4 µs a
 A binary list must hold one Python type (floats and ints mixed are refused).
 """
 
+import threading
 from contextlib import contextmanager
 from functools import partial
 
@@ -40,9 +41,29 @@ def bound_cursor(using: str = DEFAULT_DB_ALIAS):
         yield cursor
 
 
+_statement_cursors = threading.local()
+
+
+def statement_cursor(db):
+    """The server-side-binding cursor that statements run on over ``db``'s current
+    connection, kept from one statement to the next (per thread and database alias, as
+    Django's connections are). A new psycopg cursor sets up its adapters and dumpers
+    afresh: a third of the client CPU of a one-row insert of twenty parameters. A
+    statement reads the whole answer it returns before the next one runs, so no caller
+    ever sees another's rows; the last answer stays in memory until then."""
+    db.ensure_connection()
+    cursors = getattr(_statement_cursors, "by_alias", None)
+    if cursors is None:
+        cursors = _statement_cursors.by_alias = {}
+    cursor = cursors.get(db.alias)
+    if cursor is None or cursor.closed or cursor.connection is not db.connection:
+        cursor = cursors[db.alias] = psycopg.Cursor(db.connection)
+    return cursor
+
+
 class Statement:
     """One statement of the hot path, defined once by name in its component's
-    ``queries`` module: its PostgreSQL text, run through ``bound_cursor``, and beside it
+    ``queries`` module: its PostgreSQL text, run on ``statement_cursor``, and beside it
     (``@STATEMENT.elsewhere``) the same effect written with the ORM for the other
     databases (SQLite). Calling the statement picks the spelling for the connection's
     database: this is the one place where the two differ.
@@ -124,7 +145,8 @@ class Statement:
         return self._execute(db, params)
 
     def _execute(self, db, params):
-        with bound_cursor(db.alias) as cursor:
+        cursor = statement_cursor(db)
+        with db.wrap_database_errors:
             cursor.execute(self.sql, params, binary=self.binary)
             return self._result(cursor)
 

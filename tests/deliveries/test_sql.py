@@ -39,3 +39,16 @@ def test_a_statement_without_an_orm_spelling_says_so_off_postgresql():
 def test_what_a_statement_returns_is_one_of_four_shapes():
     with pytest.raises(ValueError):
         Statement("SELECT 1", returns="cursor")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_statement_after_the_connection_was_replaced_runs_on_the_new_one():
+    if connection.vendor != "postgresql":
+        pytest.skip("the cursor kept between statements is psycopg's")
+    backend = Statement("SELECT pg_backend_pid()", returns="row")
+    first = backend()[0]
+    assert backend()[0] == first  # the same connection, and the cursor kept on it
+
+    connection.close()
+
+    assert backend()[0] != first
