@@ -348,11 +348,20 @@ def _(params):
 
 
 # The applied version of each key, its row locked to the end of the transaction (the
-# entity locks already keep other workers off these keys): rows of (key, applied at).
-LOCK_VERSIONS = Statement(
-    "SELECT key, applied_at FROM ingest_entityversion WHERE key = ANY(%(keys)b::text[])"
-    " ORDER BY key FOR UPDATE"
+# entity locks already keep other workers off these keys): rows of (key, applied at), in
+# key order, the order the rows are locked in. One primary-key probe per key, whatever
+# the table's size or statistics: the lateral subquery with its row lock cannot be
+# flattened into a join, so no plan scans the table. (Written as "key = ANY(keys)", the
+# plan prepared on a worker's connection while the table was small, a sequential scan,
+# was kept as the table grew: each batch then compared its 200 keys with every row.)
+LOCK_VERSIONS = Statement("""
+WITH keys AS MATERIALIZED (
+    SELECT DISTINCT key FROM unnest(%(keys)b::text[]) AS key ORDER BY key
 )
+SELECT v.key, v.applied_at FROM keys, LATERAL (
+    SELECT key, applied_at FROM ingest_entityversion WHERE key = keys.key FOR UPDATE
+) AS v
+""")
 
 
 @LOCK_VERSIONS.elsewhere
