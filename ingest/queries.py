@@ -25,7 +25,7 @@ from deliveries.jobs.locks import RELEASE_SQL, entity_lock_release
 from deliveries.jobs.outbox import outbox_insert_sql, outbox_write
 from deliveries.jobs.sql import Statement
 
-from .models import EntityVersion, HandlerRun, InboundEvent, InboundState
+from .models import EntityVersion, HandlerRun, InboundEvent, InboundState, Source
 
 # The job kind of an inbound event's processing: the outbox rows written here carry it.
 KIND = "inbound"
@@ -172,6 +172,22 @@ def _(params):
 
 
 # --- Processing -----------------------------------------------------------------------
+
+
+# The sources of a batch's events, what processing reads of them: rows of (id, slug,
+# scheme, options). A statement rather than the ORM's in_bulk: that cost each batch
+# more CPU in the worker (building the query and the models) than the rest of the
+# batch's bookkeeping per event.
+SOURCES = Statement(
+    "SELECT id, slug, scheme, options FROM ingest_source WHERE id = ANY(%(ids)b::bigint[])"
+)
+
+
+@SOURCES.elsewhere
+def _(params):
+    return list(
+        Source.objects.filter(id__in=params["ids"]).values_list("id", "slug", "scheme", "options")
+    )
 
 
 # Bodies up to this size come with the lease; a larger one (a message of several MiB: a
