@@ -148,11 +148,12 @@ def drain(lanes: int) -> tuple[int, dict[int, float], dict[int, float]]:
     return batches, before, after
 
 
-def run_once(n: int, lanes: int, accounts: Accounts | None = None) -> dict:
+def run_once(n: int, lanes: int, accounts: Accounts | None = None, analyze: bool = False) -> dict:
     from run import store_backlog
 
     store_backlog(n)
-    ob.sql("ANALYZE ingest_inboundevent, deliveries_outbox")
+    if analyze:
+        ob.sql("ANALYZE ingest_inboundevent, deliveries_outbox")
     if accounts is not None:
         accounts.on = True
     cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -183,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--lanes", type=int, default=1, help="lanes taking batches (1)")
     parser.add_argument("--statements", action="store_true", help="count statements per batch")
+    parser.add_argument(
+        "--analyze",
+        action="store_true",
+        help="ANALYZE the stored backlog first (bench/run.py does not: its tables are as stored)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the runs here")
     args = parser.parse_args(argv)
     os.environ["INGEST_HANDLER_MODULES"] = "bench.inbound_noop"
@@ -195,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         accounts.install()
     runs = []
     for i in range(args.repeat):
-        run = run_once(args.events, args.lanes, accounts)
+        run = run_once(args.events, args.lanes, accounts, args.analyze)
         runs.append(run)
         print(f"run {i + 1}: {json.dumps(run)}", flush=True)
     keys = ("process_ms_per_1000", "postgres_ms_per_1000", "total_ms_per_1000")
