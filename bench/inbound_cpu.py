@@ -8,8 +8,9 @@ the product's defaults (``WORKER_BATCH_SIZE``), taking batches until the backlog
 processed, with ``bench/inbound_noop.py``'s handler. CPU, not a rate, so that a machine
 shared with other work still gives comparable figures: the process's own CPU
 (``time.process_time``: every thread) and that of the database's backends (read from
-``/proc`` while the worker's connections are still open; run against a database nobody
-else uses). ``--lanes`` lanes take batches concurrently, as a worker process's lanes do.
+``/proc`` while the worker's connections are still open), on a database of its own beside
+the one ``DATABASE_URL`` names (``<name>_bench_inbound``), which nothing else uses.
+``--lanes`` lanes take batches concurrently, as a worker process's lanes do.
 
 ``--statements`` also counts the statements a batch runs, each with its time from the
 client and the CPU its backend spent on it (``/proc/<pid>/schedstat``, nanoseconds):
@@ -189,11 +190,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="ANALYZE the stored backlog first (bench/run.py does not: its tables are as stored)",
     )
+    parser.add_argument("--db-name", default=None, help="default: <DATABASE_URL's>_bench_inbound")
     parser.add_argument("--json", type=Path, default=None, help="write the runs here")
     args = parser.parse_args(argv)
     os.environ["INGEST_HANDLER_MODULES"] = "bench.inbound_noop"
     os.environ.setdefault("DEBUG", "0")
-    ob.setup_django(ob.database_url())
+    base_url = ob.database_url()
+    db_name = args.db_name or f"{urlsplit(base_url).path.lstrip('/') or 'webhooks'}_bench_inbound"
+    ob.ensure_database(ob.with_db(base_url, "postgres"), db_name)
+    db_url = ob.with_db(base_url, db_name, "bench-inbound-cpu")
+    ob.migrate({**os.environ, "DATABASE_URL": db_url})
+    ob.setup_django(db_url)
 
     accounts = None
     if args.statements:
