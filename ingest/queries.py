@@ -205,18 +205,26 @@ LEASED_SQL = """e.id, e.source_id, e.event_id, e.event_type, e.entity_id, e.occu
 # statement that returns what processing reads (the body: up to LEASE_INLINE_BODY_BYTES,
 # else NULL). Rows another worker is leasing are skipped, not waited for. Run in a
 # transaction of the caller's.
+#
+# Each event is found by a primary-key probe, whatever the statistics say: the lateral
+# subquery with its row lock cannot be flattened into a join, and the UPDATE gets the
+# locked ids as one array. As a join of the ids with the table, a plan made while the
+# statistics (or their absence, on a table never analyzed) put few rows in 'enqueued'
+# read every enqueued event through inbound_in_flight for each batch: a backlog cost
+# each batch its whole size.
 LEASE = Statement(
     """
-WITH locked AS (
-    SELECT e.id FROM ingest_inboundevent e
-    JOIN unnest(%(ids)b::uuid[], %(dispatches)b::int[]) AS m(id, dispatch)
-        ON e.id = m.id AND e.dispatch_count = m.dispatch
-    WHERE e.state = 'enqueued'
-    FOR UPDATE OF e SKIP LOCKED
-)
 UPDATE ingest_inboundevent e SET state = 'processing', lease_token = %(token)s,
     lease_until = %(until)s, attempt_count = e.attempt_count + 1
-FROM locked WHERE e.id = locked.id
+WHERE e.id = ANY(ARRAY(
+    SELECT locked.id
+    FROM unnest(%(ids)b::uuid[], %(dispatches)b::int[]) AS m(id, dispatch),
+    LATERAL (
+        SELECT id FROM ingest_inboundevent
+        WHERE id = m.id AND dispatch_count = m.dispatch AND state = 'enqueued'
+        FOR UPDATE SKIP LOCKED
+    ) AS locked
+))
 RETURNING {leased}
 """.replace("{leased}", LEASED_SQL),
     binary=True,  # the bodies as raw bytes, not hex text twice their size
