@@ -175,9 +175,8 @@ def _(params):
 
 
 # The sources of a batch's events, what processing reads of them: rows of (id, slug,
-# scheme, options). A statement rather than the ORM's in_bulk: that cost each batch
-# more CPU in the worker (building the query and the models) than the rest of the
-# batch's bookkeeping per event.
+# scheme, options). A statement rather than the ORM's in_bulk, which costs the worker
+# about 0.3 ms of CPU a batch building the query and the model instances.
 SOURCES = Statement(
     "SELECT id, slug, scheme, options FROM ingest_source WHERE id = ANY(%(ids)b::bigint[])"
 )
@@ -210,7 +209,7 @@ LEASED_SQL = """e.id, e.source_id, e.event_id, e.event_type, e.entity_id, e.occu
 # subquery with its row lock cannot be flattened into a join, and the UPDATE gets the
 # locked ids as one array. As a join of the ids with the table, a plan made while the
 # statistics (or their absence, on a table never analyzed) put few rows in 'enqueued'
-# read every enqueued event through inbound_in_flight for each batch: a backlog cost
+# reads every enqueued event through inbound_in_flight for each batch: a backlog costs
 # each batch its whole size.
 LEASE = Statement(
     """
@@ -375,9 +374,9 @@ def _(params):
 # entity locks already keep other workers off these keys): rows of (key, applied at), in
 # key order, the order the rows are locked in. One primary-key probe per key, whatever
 # the table's size or statistics: the lateral subquery with its row lock cannot be
-# flattened into a join, so no plan scans the table. (Written as "key = ANY(keys)", the
-# plan prepared on a worker's connection while the table was small, a sequential scan,
-# was kept as the table grew: each batch then compared its 200 keys with every row.)
+# flattened into a join, so no plan scans the table. As "key = ANY(keys)", the plan a
+# worker's connection prepares while the table is small is a sequential scan, and it is
+# kept as the table grows: each batch then compares its 200 keys with every row.
 LOCK_VERSIONS = Statement("""
 WITH keys AS MATERIALIZED (
     SELECT DISTINCT key FROM unnest(%(keys)b::text[]) AS key ORDER BY key

@@ -110,7 +110,7 @@ def _(params):
 # the jobs in the same transaction and settles the messages (SETTLE_MESSAGES).
 # The claimed ids are handed to the UPDATE as one array, found by primary-key probes:
 # as "id IN (SELECT ...)" the planner may join them to a sequential scan of the whole
-# outbox, published rows and all (it did, at 20,000 rows, for 200 ids).
+# outbox, published rows and all (it does at 20,000 rows, for 200 ids).
 # Params: {kinds, now, limit, queue}; rows (outbox id, ref_id, dispatch, priority, kind,
 # None) for a claimed outbox row, (message id, None, None, None, None, payload) for a
 # message, in no particular order.
