@@ -42,6 +42,7 @@ from .queries import (
     LEASE,
     LEASE_INLINE_BODY_BYTES,
     LOCK_VERSIONS,
+    SOURCES,
     TAKE_SEQUENCED,
     inline_body,
     write_outbox,
@@ -177,6 +178,24 @@ class _Leased(NamedTuple):
     attempt: int
     received_at: datetime
     sequenced: bool
+
+
+class _Source(NamedTuple):
+    """What processing reads of an event's source (``SOURCES``)."""
+
+    id: int
+    slug: str
+    scheme: str
+    options: dict
+
+
+def _sources(ids: Iterable[int]) -> dict[int, _Source]:
+    """The sources ``ids`` by id."""
+    rows = SOURCES({"ids": sorted(ids)})
+    return {
+        row[0]: _Source(*row[:3], row[3] if isinstance(row[3], dict) else json.loads(row[3]))
+        for row in rows
+    }
 
 
 def _leased(row: Sequence) -> _Leased:
@@ -355,7 +374,7 @@ def _process_batch(rows: list[_Leased], token: uuid.UUID, counts: Counter) -> li
     path. Within the batch, events run in ``_order``, so that an entity's events
     arriving out of order in one batch are applied in order; an event older than its
     entity's applied version is stale, exactly as one by one."""
-    sources = Source.objects.in_bulk({r.source_id for r in rows})
+    sources = _sources({r.source_id for r in rows})
     owner = str(token)
     keys = {r.id: _entity_key(sources[r.source_id].slug, r.entity_id) for r in rows if r.entity_id}
     if keys:

@@ -108,18 +108,21 @@ def _(params):
 # relay did); then it locks visible messages on the queue table up to the same limit,
 # which only a relay still running beside the workers writes there. The caller leases
 # the jobs in the same transaction and settles the messages (SETTLE_MESSAGES).
+# The claimed ids are handed to the UPDATE as one array, found by primary-key probes:
+# as "id IN (SELECT ...)" the planner may join them to a sequential scan of the whole
+# outbox, published rows and all (it does at 20,000 rows, for 200 ids).
 # Params: {kinds, now, limit, queue}; rows (outbox id, ref_id, dispatch, priority, kind,
 # None) for a claimed outbox row, (message id, None, None, None, None, payload) for a
 # message, in no particular order.
 TAKE = Statement("""
 WITH claimed AS (
     UPDATE deliveries_outbox SET published_at = %(now)s
-    WHERE id IN (
+    WHERE id = ANY(ARRAY(
         SELECT id FROM deliveries_outbox
         WHERE published_at IS NULL AND kind = ANY(%(kinds)b::text[])
             AND (claimed_until IS NULL OR claimed_until < %(now)s)
         ORDER BY priority DESC, created_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED
-    )
+    ))
     RETURNING id, ref_id, dispatch, priority, kind
 ), queued AS (
     SELECT id, payload FROM deliveries_queuemessage

@@ -11,8 +11,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from deliveries.jobs.models import EntityLock
-from ingest.models import EntityVersion, HandlerRun, InboundEvent
-from ingest.queries import COMPLETE, LEASE, LEASE_INLINE_BODY_BYTES, LOCK_VERSIONS
+from ingest.models import EntityVersion, HandlerRun, InboundEvent, Source
+from ingest.queries import COMPLETE, LEASE, LEASE_INLINE_BODY_BYTES, LOCK_VERSIONS, SOURCES
 from ingest.receiving import NewEvent, inbound_store_many
 from ingest.sources import source_create
 
@@ -111,3 +111,12 @@ def test_versions_are_read_in_key_order(events):
         EntityVersion.objects.create(key=key, applied_at=now, event_id=first.id)
     with transaction.atomic():
         assert LOCK_VERSIONS({"keys": ["b", "a", "c"]}) == [("a", now), ("b", now)]
+
+
+def test_sources_gives_what_processing_reads_of_the_sources_asked_for(events):
+    source_id = events[0].source_id
+    Source.objects.filter(id=source_id).update(options={"tolerance": 60})
+    other = source_create(slug="github", scheme="github", secrets=["s"])
+    [(found, slug, scheme, options)] = SOURCES({"ids": [source_id, other.id + 1]})
+    assert (found, slug, scheme) == (source_id, "stripe", "stripe")
+    assert (options if isinstance(options, dict) else json.loads(options)) == {"tolerance": 60}
