@@ -388,12 +388,30 @@ def held_leases(ids: Sequence[uuid.UUID], tokens: Sequence[uuid.UUID]) -> set[uu
     """The deliveries among ``ids`` whose lease (``tokens``, pairwise) the recording
     worker still holds, locked until the transaction ends: the guard the PostgreSQL
     record statements write in their WHERE."""
+    return {row[0] for row in HELD_LEASES({"ids": list(ids), "tokens": list(tokens)})}
+
+
+# held_leases on PostgreSQL: by primary key, as the worker's statements find their rows
+# (see LEASE). The ORM's ``state = 'leased'`` read every row in flight through
+# delivery_in_flight: 0.9 ms for 200 ids with 5,000 leased. Params: {ids, tokens},
+# pairwise; rows (id,) of the deliveries whose lease is held, locked.
+HELD_LEASES = Statement("""
+SELECT d.id FROM unnest((SELECT %(ids)b::uuid[]), (SELECT %(tokens)b::uuid[])) AS v(id, token)
+JOIN deliveries_delivery d ON d.id = v.id
+WHERE (d.state || '') = 'leased' AND d.lease_token = v.token
+FOR UPDATE OF d
+""")
+
+
+@HELD_LEASES.elsewhere
+def _(params):
+    ids, tokens = params["ids"], params["tokens"]
     pairs = set(
-        Delivery.objects.filter(id__in=list(ids), state=LEASED, lease_token__in=set(tokens))
+        Delivery.objects.filter(id__in=ids, state=LEASED, lease_token__in=set(tokens))
         .select_for_update()
         .values_list("id", "lease_token")
     )
-    return {i for i, token in zip(ids, tokens, strict=True) if (i, token) in pairs}
+    return [(i,) for i, token in zip(ids, tokens, strict=True) if (i, token) in pairs]
 
 
 # Successes of a batch in one statement; RETURNING names the rows whose lease was held.
