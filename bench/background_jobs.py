@@ -37,3 +37,26 @@ async def deliver(data: dict, msg_id: str) -> None:
     if _session is None:
         _session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     await common.post_async(_session, RECEIVER, data, msg_id)
+
+
+def queue_table_names() -> str:
+    """The jobs' tables, as TRUNCATE and ANALYZE name them."""
+    from deliveries.jobs.models import Job, JobRun
+
+    return f"{Job._meta.db_table}, {JobRun._meta.db_table}"
+
+
+def enqueue_all(job_type: str, workload: str, count: int) -> None:
+    """``count`` jobs of ``job_type`` with ``workload``'s arguments (the peers'), enqueued
+    with ``enqueue`` in transactions of 1,000 and no worker running, then the tables
+    analyzed, as the peers' runs do."""
+    from django.db import transaction
+
+    from bench import outbound as ob
+    from deliveries.jobs.background import enqueue
+
+    for start in range(0, count, 1000):
+        with transaction.atomic():
+            for i in range(start, min(count, start + 1000)):
+                enqueue(job_type, common.job_arguments(workload, i))
+    ob.sql(f"ANALYZE {queue_table_names()}")

@@ -40,24 +40,16 @@ def main(argv: list[str] | None = None) -> int:
     db_url = ob.with_db(base_url, db_name)
     ob.migrate({**os.environ, "DATABASE_URL": db_url})
     ob.setup_django(db_url)
-    from django.db import transaction
-
     import bench.background_jobs as bench_jobs  # registers the job types
-    from deliveries.jobs.background import enqueue
     from deliveries.jobs.models import Job, JobRun
 
     job_type = bench_jobs.NOOP_SYNC if args.sync else common.TASK_NAMES["noop"]
-    tables = f"{Job._meta.db_table}, {JobRun._meta.db_table}"
 
     def reset() -> None:
-        ob.sql(f"TRUNCATE {tables}")
+        ob.sql(f"TRUNCATE {bench_jobs.queue_table_names()}")
 
     def enqueue_all(count: int) -> None:
-        for start in range(0, count, 1000):
-            with transaction.atomic():
-                for i in range(start, min(count, start + 1000)):
-                    enqueue(job_type, common.job_arguments("noop", i))
-        ob.sql(f"ANALYZE {tables}")
+        bench_jobs.enqueue_all(job_type, "noop", count)
 
     worker = [sys.executable, "manage.py", "run_jobs", "--queue", "default"]
     worker += ["--concurrency", str(args.concurrency)]

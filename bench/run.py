@@ -549,27 +549,19 @@ def run_service_jobs(
     one ``run_jobs`` process per core; the rate from the first to the last arrival."""
     import argparse
 
-    from django.db import transaction
-
     import bench.background_jobs as bench_jobs  # registers the job types
     from bench.peers import common
-    from deliveries.jobs.background import enqueue
-    from deliveries.jobs.models import Job, JobRun
+    from deliveries.jobs.models import Job
 
     job_type = bench_jobs.NOOP_SYNC if sync else common.TASK_NAMES[workload]
-    tables = f"{Job._meta.db_table}, {JobRun._meta.db_table}"
     cores = os.cpu_count() or 1
     concurrency = JOBS_CONCURRENCY[workload]
 
     def reset() -> None:
-        ob.sql(f"TRUNCATE {tables}")
+        ob.sql(f"TRUNCATE {bench_jobs.queue_table_names()}")
 
     def enqueue_all(count: int) -> None:
-        for start in range(0, count, 1000):
-            with transaction.atomic():
-                for i in range(start, min(count, start + 1000)):
-                    enqueue(job_type, common.job_arguments(workload, i))
-        ob.sql(f"ANALYZE {tables}")  # as the peers' runs do
+        bench_jobs.enqueue_all(job_type, workload, count)
 
     worker = [sys.executable, "manage.py", "run_jobs", "--queue", "default"]
     worker += ["--concurrency", str(concurrency)]
