@@ -171,7 +171,7 @@ def _headers(meta: dict) -> dict[str, str]:
             key = key[5:]
         elif key not in UNPREFIXED_HEADERS:
             continue
-        headers[key.replace("_", "-").title().lower()] = value
+        headers[key.replace("_", "-").lower()] = value
     return headers
 
 
