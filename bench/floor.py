@@ -193,7 +193,7 @@ def record_steps(leased: list, token, rows: list):
 
 def endpoint_steps(endpoint_id):
     """The endpoint's URL and active secrets (the service's statement), once per process."""
-    from deliveries import encryption
+    from deliveries.core import encryption
     from deliveries.queries import ACTIVE_SECRETS
 
     url = yield ("query", "SELECT url FROM deliveries_endpoint WHERE id = %s", [endpoint_id])
@@ -249,7 +249,7 @@ async def run_worker(lanes: int, batch: int, *, egress: bool, db_thread: bool) -
     queue = settings.QUEUE_NAME
     worker_name = f"floor:{os.getpid()}"
     if egress:
-        from deliveries.egress import EgressSession
+        from deliveries.core.egress import EgressSession
 
         client = EgressSession(pool_size=lanes * batch)
     else:
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lanes", type=int, default=2, help="worker: connections")
     parser.add_argument("--batch", type=int, default=128, help="worker: messages per lane")
     parser.add_argument(
-        "--egress", action="store_true", help="worker: post through deliveries.egress"
+        "--egress", action="store_true", help="worker: post through deliveries.core.egress"
     )
     parser.add_argument(
         "--db-thread",

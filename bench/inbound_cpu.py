@@ -53,7 +53,7 @@ class Accounts:
         from django.db.backends.signals import connection_created
         from statements import named_statements, other_sql_name
 
-        from deliveries.jobs.sql import Statement
+        from deliveries.core.sql import Statement
 
         names = named_statements()
         call = Statement.__call__

@@ -402,13 +402,13 @@ async def _bare(url: str, body: bytes, n: int, concurrency: int) -> dict:
 async def _signed(url: str, body: bytes, n: int, concurrency: int) -> dict:
     """The bare loop's N POSTs, each sent the way the worker sends a delivery: its headers
     (``deliveries.signing.delivery_headers``: a fresh timestamp and Standard Webhooks
-    signature per request, a distinct ``webhook-id``) through ``deliveries.egress`` with
+    signature per request, a distinct ``webhook-id``) through ``deliveries.core.egress`` with
     its checks, capped reading and pool, on 127.0.0.0/8 only. No database, no lease, no
     recording: what the request itself costs the client."""
     from ipaddress import ip_network
 
     from bench.peers.common import SECRET  # the peers' bench secret: one for every signer
-    from deliveries.egress import EgressPolicy, EgressSession
+    from deliveries.core.egress import EgressPolicy, EgressSession
     from deliveries.signing import delivery_headers
 
     statuses: dict[int, int] = {}
@@ -1013,7 +1013,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         choices=("egress", "db-thread"),
-        help="the floor's workers post through deliveries.egress, or run their statements "
+        help="the floor's workers post through deliveries.core.egress, or run their statements "
         "on blocking connections in a thread pool, as the service's worker does",
     )
     parser.add_argument("--output", type=Path, default=RESULTS / "outbound.json")

@@ -75,7 +75,7 @@ def bare_loop_at(concurrency: int) -> str:
     return f"{BARE_LOOP}, {concurrency} in flight"
 
 
-# Every scenario runs the product's defaults (deliveries/conf.py DEFAULTS, one
+# Every scenario runs the product's defaults (deliveries/core/conf.py DEFAULTS, one
 # run_workers per core as docs/deployment.md runs them) but for what is set here, each
 # with its reason. Every process: EGRESS_ALLOW_NETWORKS=127.0.0.0/8 (ob.pipeline_env),
 # as the receiver listens on loopback, which the egress guard refuses by default.
@@ -1638,7 +1638,7 @@ def versions(ctx: dict) -> dict:
     out[BASELINE_SKIP_LOCKED] = f"psycopg {v('psycopg')} + aiohttp"
     out[BASELINE_FLOOR] = "the service's SQL from bench/floor.py: no Django, no ceilings"
     out[BASELINE_SIGNED] = (
-        f"the bare loop with the worker's headers, through deliveries.egress, "
+        f"the bare loop with the worker's headers, through deliveries.core.egress, "
         f"{SERVICE_CONCURRENCY} in flight"
     )
     p = service_pipeline({})

@@ -69,7 +69,7 @@ COMMIT = "COMMIT"
 
 def named_statements() -> dict[int, str]:
     """Every ``Statement`` bound to a name in STATEMENT_MODULES: id -> "module.NAME"."""
-    from deliveries.jobs.sql import Statement
+    from deliveries.core.sql import Statement
 
     names = {}
     for module_name in STATEMENT_MODULES:
@@ -124,7 +124,7 @@ def instrument(tally: Tally):
     from django.db import connections
     from django.db.backends.signals import connection_created
 
-    from deliveries.jobs.sql import Statement
+    from deliveries.core.sql import Statement
 
     names = named_statements()
     call = Statement.__call__

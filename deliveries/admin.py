@@ -11,27 +11,34 @@ from datetime import timedelta
 from django.contrib import admin, messages
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.core.exceptions import PermissionDenied
-from django.core.paginator import Paginator
-from django.db import OperationalError, connection, transaction
 from django.db.models import Count, Max, Q
 from django.http import HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
-from django.utils.functional import cached_property
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import mark_safe
 from django_q import admin as q_admin  # registers django-q2's admins, replaced below
 from django_q.models import Failure, OrmQ, Schedule, Success
 
-from . import charts as charts_module
 from . import overview, queries, selectors, services
+from .core import charts as charts_module
+from .core.confirm import Operation, Selection, confirm_operation
+from .core.console import (
+    EMPTY,
+    AuditedEdits,
+    CappedCountPaginator,
+    ConsoleAdmin,
+    ReadOnlyAdmin,
+    duration,
+    key_values,
+    state_badge,
+    when,
+)
 from .jobs.admin import TenantFilter
 from .jobs.admin import uuid_or_none as _uuid
 from .jobs.broker import DatabaseBroker, broker_class
-from .jobs.confirm import Operation, Selection, confirm_operation
-from .jobs.console import EMPTY, AuditedEdits, ConsoleAdmin, duration, key_values, when
 from .jobs.models import LoopRun
 from .models import (
     ApiKey,
@@ -55,20 +62,6 @@ from .selectors import (
     outcome_label,
     outcome_sentence,
 )
-
-STATE_COLOURS = {
-    DeliveryState.PENDING: "#b7791f",
-    DeliveryState.ENQUEUED: "#2b6cb0",
-    DeliveryState.LEASED: "#6b46c1",
-    DeliveryState.SUCCEEDED: "#2f855a",
-    DeliveryState.DEAD: "#c53030",
-    "held": "#4a5568",
-    "running": "#2f855a",
-    "paused": "#b7791f",
-    "failing": "#c05621",
-    "disabled": "#c53030",
-}
-
 
 # Deliveries one replay by filter takes at most (the API's bulk recovery's ceiling too).
 REPLAY_MATCHING_MAX = services.RECOVER_MAX_ROWS
@@ -96,39 +89,6 @@ DELIVERY_OPERATIONS = {
 }
 
 
-def state_badge(state: str):
-    return format_html(
-        '<span class="state-badge" style="background:{};color:#fff;padding:1px 6px;'
-        'border-radius:8px;font-size:11px">{}</span>',
-        STATE_COLOURS.get(state, "#4a5568"),
-        state,
-    )
-
-
-class CappedCountPaginator(Paginator):
-    """Counting every row of a table of millions on each page view is what makes admin
-    logs slow. Count at most CAP + 1 rows, and on PostgreSQL give the count at most
-    COUNT_BUDGET_MS: past either, the page shows CAP + 1 (read it as "many")."""
-
-    CAP = 10_000
-    COUNT_BUDGET_MS = 100
-
-    @cached_property
-    def count(self) -> int:
-        capped = self.counted().order_by()[: self.CAP + 1]
-        if connection.vendor != "postgresql":
-            return capped.count()
-        try:
-            with transaction.atomic(), connection.cursor() as cursor:
-                cursor.execute("SET LOCAL statement_timeout = %s", [self.COUNT_BUDGET_MS])
-                return capped.count()
-        except OperationalError:  # the count ran out of time: a lot of rows
-            return self.CAP + 1
-
-    def counted(self):
-        return self.object_list
-
-
 class DeliveryLogPaginator(CappedCountPaginator):
     """The delivery log's pages are read through an inner join to the listing: through
     the outer join Django makes for the ordering's reverse one-to-one, PostgreSQL cannot
@@ -143,17 +103,6 @@ class DeliveryLogPaginator(CappedCountPaginator):
 
     def counted(self):
         return self.filtered
-
-
-class ReadOnlyAdmin(AuditedEdits, ConsoleAdmin, admin.ModelAdmin):
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
 
 
 # --- Filters ---------------------------------------------------------------------------
@@ -580,7 +529,7 @@ class DeliveryAdmin(ReadOnlyAdmin):
 
     def _confirm(self, request, queryset, operation, back=""):
         """The one rule for replaying and cancelling, from the action and the delivery
-        page's button alike (deliveries.jobs.confirm): a confirmation page first, and for
+        page's button alike (deliveries.core.confirm): a confirmation page first, and for
         a replay of any event type not marked replay-safe an extra confirmation. Returns
         None once done."""
         ids = list(queryset.values_list("id", flat=True)[:10_001])

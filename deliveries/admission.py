@@ -18,7 +18,7 @@ from datetime import datetime
 
 from django.db import transaction
 
-from deliveries.conf import settings
+from deliveries.core.conf import settings
 
 from . import queries, state
 from .jobs import wakeup

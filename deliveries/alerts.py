@@ -25,8 +25,7 @@ when it is disabled.
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
 from datetime import datetime, timedelta
 from urllib.parse import urlsplit
 
@@ -35,8 +34,9 @@ from django.db import IntegrityError, transaction
 from django.db.models import Count, F
 from django.utils import timezone
 
-from deliveries.conf import settings
-from deliveries.prometheus import OPERATIONAL_EVENTS, TENANT_NOTIFICATIONS
+from deliveries.core.alerts import CHECKS, Signal, register_check
+from deliveries.core.conf import settings
+from deliveries.core.prometheus import OPERATIONAL_EVENTS, TENANT_NOTIFICATIONS
 
 from . import catalogue
 from .models import AlertCheckpoint, Delivery, DeliveryState, Endpoint, OperationalEvent, Tenant
@@ -52,23 +52,6 @@ TENANT_EVENT_TYPES = {
 }
 # The incidents only the tenant is told about.
 TENANT_ONLY = frozenset({Kind.ENDPOINT_FAILING})
-
-
-@dataclass(frozen=True)
-class Signal:
-    kind: str
-    key: str
-    summary: str
-    severity: str = OperationalEvent.Severity.WARNING
-    details: dict = field(default_factory=dict)
-
-
-Check = Callable[[datetime], list[Signal]]
-CHECKS: dict[str, Check] = {}
-
-
-def register_check(name: str, check: Check) -> None:
-    CHECKS[name] = check
 
 
 # --- Recording ---------------------------------------------------------------------------

@@ -27,14 +27,16 @@ class DeliveriesConfig(AppConfig):
     def ready(self) -> None:
         from django.db.models.signals import post_delete, post_save
 
-        from deliveries.prometheus import register_provider
+        from deliveries.core.prometheus import register_provider
 
         from . import (
+            alerts,  # noqa: F401  (registers the product's alert checks)
             checks,  # noqa: F401  (registers the system checks)
+            retention,  # noqa: F401  (registers the product's pruners)
             services,
-            tracing,
         )
         from .catalogue import forget_schemas
+        from .core import tracing
         from .jobs import kinds
         from .jobs import services as job_services
         from .jobs.metrics import job_gauges

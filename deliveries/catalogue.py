@@ -27,7 +27,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError, best_match
 from jsonschema.exceptions import ValidationError as SchemaMismatch
 
-from deliveries.conf import settings
+from deliveries.core.conf import settings
 
 logger = logging.getLogger("deliveries.catalogue")
 

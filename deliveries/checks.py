@@ -6,12 +6,12 @@ import ipaddress
 from django.core.checks import Error, Info, Tags, Warning, register
 from django.db import DatabaseError, connections
 
-from deliveries.conf import POOLERS, setting_problems, settings
+from deliveries.core.conf import POOLERS, setting_problems, settings
 
 
 @register()
 def check_setting_types(app_configs, **kwargs):
-    """Every setting of the installed apps reads as its type (deliveries/conf.py), and
+    """Every setting of the installed apps reads as its type (deliveries/core/conf.py), and
     ``TRUSTY_WEBHOOKS`` names only theirs: one error per setting."""
     return [
         Error(
@@ -37,7 +37,7 @@ def on_readable_settings(check):
 @register()
 @on_readable_settings
 def check_delivery_settings(app_configs, **kwargs):
-    from .policy import RetryPolicy
+    from .core.retry import RetryPolicy
 
     errors = []
     try:
@@ -137,7 +137,7 @@ def check_portal_settings(app_configs, **kwargs):
 def check_encryption_keys(app_configs, **kwargs):
     """Every SECRETS_ENCRYPTION_KEYS entry must be a Fernet key: a bad one would fail
     the first secret read or written, not the start."""
-    from .encryption import FROM_SECRET_KEY, key_problem
+    from .core.encryption import FROM_SECRET_KEY, key_problem
 
     errors = []
     for position, key in enumerate(settings.SECRETS_ENCRYPTION_KEYS, start=1):
@@ -160,7 +160,7 @@ def check_encryption_keys_set(app_configs, **kwargs):
     """Without SECRETS_ENCRYPTION_KEYS the stored secrets are encrypted under a key
     derived from SECRET_KEY: they are then only as safe as SECRET_KEY, and rotating
     SECRET_KEY would make every one of them unreadable."""
-    from .encryption import encrypts_under_derived_key
+    from .core.encryption import encrypts_under_derived_key
 
     if not encrypts_under_derived_key():
         return []
@@ -188,7 +188,7 @@ UNSHARED_CACHES = frozenset(
 
 @register(Tags.caches)
 def check_shared_cache(app_configs, **kwargs):
-    """The throttles count in the default cache (deliveries/ratelimit.py)."""
+    """The throttles count in the default cache (deliveries/core/ratelimit.py)."""
     backend = settings.CACHES.get("default", {}).get("BACKEND", "")
     if backend not in UNSHARED_CACHES:
         return []
@@ -216,7 +216,7 @@ def check_q_cluster(app_configs, **kwargs):
             "Q_CLUSTER is not set: django-q2 prints 'Retry and timeout are misconfigured' "
             "at every start, and a qcluster would run on django-q2's defaults (its Redis "
             "broker on localhost).",
-            hint="Q_CLUSTER = q_cluster(), with: from deliveries.conf import q_cluster "
+            hint="Q_CLUSTER = q_cluster(), with: from deliveries.core.conf import q_cluster "
             "(docs/install.md).",
             id="deliveries.W004",
         )

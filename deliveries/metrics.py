@@ -1,4 +1,4 @@
-"""The outbound side's database gauges (registered with ``deliveries.prometheus``) and the
+"""The outbound side's database gauges (registered with ``deliveries.core.prometheus``) and the
 bounded endpoint label of the dispatch metrics.
 
 Every query here reads a partial index, so its cost follows the rows that matter now
@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from django.db.models import Count, Max
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from deliveries.conf import settings
-from deliveries.prometheus import add_state_counts
+from deliveries.core.conf import settings
+from deliveries.core.prometheus import add_state_counts
 
 from . import queries
 from .jobs.models import LoopRun, Outbox

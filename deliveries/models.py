@@ -13,13 +13,14 @@ from django.core.exceptions import ValidationError
 from django.db import models
 from django.db.models import Q
 
-from deliveries.conf import settings
+from deliveries.core.conf import settings
 
-from . import catalogue, encryption
-from .egress import ErrorKind, validate_endpoint_url
-from .headers import validate_endpoint_headers
-from .jobs.ids import uuid7
-from .timezones import validate_time_zone
+from . import catalogue
+from .core import encryption
+from .core.egress import ErrorKind, validate_endpoint_url
+from .core.headers import validate_endpoint_headers
+from .core.ids import uuid7
+from .core.timezones import validate_time_zone
 
 ERROR_KIND_CHOICES = [("", "None")] + [
     (k.value, k.value.replace("_", " ").title()) for k in ErrorKind
@@ -41,7 +42,7 @@ class Tenant(models.Model):
         blank=True,
         help_text="The host application's own id for this tenant's account.",
     )
-    # Where the tenant's "every day at 09:00" is read (deliveries.timezones); everything
+    # Where the tenant's "every day at 09:00" is read (deliveries.core.timezones); everything
     # the service stores and schedules is UTC. db_default: rows inserted by code that
     # predates the column still get a value (expand-contract, docs/compatibility.md).
     time_zone = models.CharField(
@@ -187,7 +188,7 @@ class EndpointSecret(models.Model):
 
     id = models.BigAutoField(primary_key=True)
     endpoint = models.ForeignKey(Endpoint, on_delete=models.CASCADE, related_name="secrets")
-    # A Fernet token under SECRETS_ENCRYPTION_KEYS (deliveries/encryption.py). Null only on
+    # A Fernet token under SECRETS_ENCRYPTION_KEYS (deliveries/core/encryption.py). Null only on
     # a row a release before encryption wrote, until it is encrypted (migration 0018 and
     # rotate_encryption_keys encrypt such rows).
     secret_encrypted = models.TextField(null=True, blank=True)  # noqa: DJ001
@@ -228,7 +229,7 @@ class EgressAllowance(models.Model):
     The worker admits it for that tenant's (endpoint's) deliveries only, on top of
     EGRESS_ALLOW_NETWORKS, which opens a network for every tenant and so is for the
     operator's own receivers. Metadata and link-local addresses stay refused whatever
-    it says (deliveries/egress.py)."""
+    it says (deliveries/core/egress.py)."""
 
     id = models.BigAutoField(primary_key=True)
     # Indexed (the foreign key's index): the worker reads a batch's tenants' rows.
@@ -301,7 +302,7 @@ class Event(models.Model):
     # SHA-256 of the create request that carried the idempotency key: the same key with
     # a different request is refused (422).
     request_hash = models.CharField(max_length=64, blank=True)
-    # W3C traceparent of the publish span, when tracing is on (deliveries/tracing.py): the
+    # W3C traceparent of the publish span, when tracing is on (deliveries/core/tracing.py): the
     # relay and the workers continue that trace. db_default: older writers still insert.
     trace_context = models.CharField(max_length=128, blank=True, default="", db_default="")
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
@@ -535,7 +536,7 @@ class Attempt(models.Model):
     duration_ms = models.FloatField()
     status_code = models.PositiveSmallIntegerField(null=True, blank=True)
     outcome = models.CharField(max_length=32, choices=Outcome.choices)
-    # Why there was no HTTP answer: one of deliveries.egress.ErrorKind, or "".
+    # Why there was no HTTP answer: one of deliveries.core.egress.ErrorKind, or "".
     error_kind = models.CharField(max_length=16, choices=ERROR_KIND_CHOICES, blank=True)
     error = models.CharField(max_length=500, blank=True)
     # A timeout or a dropped connection after sending: the receiver may have acted on it.

@@ -1,10 +1,10 @@
 """The statements of the outbound fast path, each defined once by name: its PostgreSQL
 text and, directly below it, the same effect written with the ORM for SQLite
-(``deliveries.jobs.sql.Statement``). A statement takes the same parameters and gives
+(``deliveries.core.sql.Statement``). A statement takes the same parameters and gives
 back the same shape whichever spelling runs, so admission, the state machine, publishing
 and the reads beside them never ask which database they are on.
 
-Array parameters travel in binary format (``%(name)b::type[]``, see deliveries.jobs.sql).
+Array parameters travel in binary format (``%(name)b::type[]``, see deliveries.core.sql).
 Where a statement is PostgreSQL's own work with no SQLite meaning (an advisory lock), its
 ORM spelling does nothing and says why: SQLite's IMMEDIATE transactions take the write
 lock at BEGIN, which serialises what the lock serialises.
@@ -17,9 +17,9 @@ from datetime import UTC
 
 from django.db.models import Count, F, Min, Q
 
+from .core.ids import UUID7_SQL
+from .core.sql import Statement
 from .jobs import outbox, wakeup
-from .jobs.ids import UUID7_SQL
-from .jobs.sql import Statement
 from .models import (
     LATENCY_BOUNDS_MS,
     LATENCY_COLUMNS,
@@ -904,23 +904,3 @@ SELECT event_type FROM types WHERE event_type IS NOT NULL
 def _(params):
     seen = Event.objects.order_by("event_type").values_list("event_type", flat=True).distinct()
     return [(t,) for t in seen[: params["most"]]]
-
-
-# --- Shared counters ------------------------------------------------------------------
-
-# deliveries.ratelimit's lock on one counter of Django's database cache, run with
-# ``using`` the cache's database: in the two-key space, under a name of its own (the
-# admission lock takes a one-key lock); two counters whose hashes collide only wait for
-# each other a moment. And no waiting for the commit's flush to disk (most of the cost
-# otherwise): a counter may lose its last increments in a server crash. Params: [counter].
-TAKE_RATE_COUNTER_LOCK = Statement(
-    "SELECT pg_advisory_xact_lock(hashtext('rate-counter'), hashtext(%s)),"
-    " set_config('synchronous_commit', 'off', true)",
-    returns="nothing",
-    bound=False,
-)
-
-
-@TAKE_RATE_COUNTER_LOCK.elsewhere
-def _(params, using=None):
-    pass  # SQLite: the IMMEDIATE transaction already holds the write lock

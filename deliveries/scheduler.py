@@ -10,15 +10,15 @@ from dataclasses import dataclass
 
 from django.utils import timezone
 
-from deliveries.conf import settings
-from deliveries.prometheus import LEASE_EXPIRIES, LOST_DISPATCHES
+from deliveries.core.conf import settings
+from deliveries.core.prometheus import LEASE_EXPIRIES, LOST_DISPATCHES
 
 from . import state
 from .admission import AdmissionResult, Limits, admit_due, anything_due
+from .core.retry import RetryPolicy
 from .jobs import kinds
 from .jobs.loop import SOON_WAIT, Tick
 from .models import Delivery
-from .policy import RetryPolicy
 
 # While the global in-flight ceiling is full, the scheduler comes back when about this
 # share of it can have been freed (at the rate the workers freed slots since its last

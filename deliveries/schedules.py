@@ -19,7 +19,7 @@ def relay_pass() -> dict:
 
 
 def prune_pass() -> dict:
-    from .retention import prune
+    from .core.retention import prune
 
     return dict(prune())
 

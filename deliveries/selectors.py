@@ -9,11 +9,11 @@ from datetime import datetime, timedelta
 
 from django.utils import timezone
 
-from deliveries.conf import settings
+from deliveries.core.conf import settings
 
 from . import queries
-from .egress import USER_AGENT, EgressPolicy, IPNetwork
-from .headers import DROPPED, NOT_STORED, PROTOCOL_HEADERS, REDACTED
+from .core.egress import USER_AGENT, EgressPolicy, IPNetwork
+from .core.headers import DROPPED, NOT_STORED, PROTOCOL_HEADERS, REDACTED
 from .jobs.broker import DatabaseBroker, broker_class
 from .jobs.models import LoopRun, Outbox
 from .jobs.outbox import message_key
@@ -95,7 +95,7 @@ OUTCOMES: dict[str, tuple[str, str]] = {
     ),
 }
 
-# Why an attempt got no HTTP answer (deliveries.egress.ErrorKind).
+# Why an attempt got no HTTP answer (deliveries.core.egress.ErrorKind).
 ERROR_KINDS: dict[str, str] = {
     "blocked": "address refused by the egress guard",
     "dns": "name not found",
@@ -315,7 +315,7 @@ def attempt_request_headers(attempt: Attempt) -> dict[str, str]:
     The attempt log keeps only what varies (deliveries.worker): the timestamp signed and
     the names of the endpoint's custom headers. The rest follows from the protocol
     (deliveries.signing; webhook-id and Idempotency-Key are the delivery id) and the
-    HTTP client's User-Agent (deliveries.egress). A value the log does not keep is a
+    HTTP client's User-Agent (deliveries.core.egress). A value the log does not keep is a
     marker: ``[redacted]`` for a custom header's (it may be a credential, so a value
     found in an older row is masked too), ``[not stored]`` for the signature (one
     ``v1,…`` per secret signing then). Headers the header rule kept back come last,
@@ -348,7 +348,7 @@ def allowed_networks(
 
     One query for all the targets (a worker's batch): the targets' tenants' rows, by
     the tenant index, matched to endpoints here (a tenant has a few rows at most). On
-    PostgreSQL the tenant ids travel as one array parameter (deliveries.jobs.sql): the ORM's
+    PostgreSQL the tenant ids travel as one array parameter (deliveries.core.sql): the ORM's
     IN list of a 200-target batch cost 3.5 ms. Each tuple is sorted, so the same set is
     the same tuple (``EgressSession`` keys its pools by it)."""
     by_tenant: dict = {}

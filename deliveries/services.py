@@ -18,12 +18,15 @@ from django.core.validators import validate_email
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
-from deliveries.conf import settings
+from deliveries.core.conf import settings
 
-from . import catalogue, encryption, queries, state, tracing
-from .egress import validate_endpoint_url
-from .headers import validate_endpoint_headers
-from .jobs.ids import uuid7
+from . import catalogue, queries, state
+from .core import encryption, tracing
+from .core.egress import validate_endpoint_url
+from .core.headers import validate_endpoint_headers
+from .core.ids import uuid7
+from .core.prometheus import EVENT_SCHEMA_MISMATCHES
+from .core.timezones import validate_time_zone
 from .models import (
     ApiKey,
     AuditEntry,
@@ -35,10 +38,8 @@ from .models import (
     SchemaValidation,
     Tenant,
 )
-from .prometheus import EVENT_SCHEMA_MISMATCHES
 from .selectors import egress_policy_for
 from .signing import generate_secret
-from .timezones import validate_time_zone
 
 logger = logging.getLogger("deliveries.services")
 
@@ -134,7 +135,7 @@ def publish_event(
     ``priority``: higher is sent first when there is a backlog (a password email before
     a bulk export). ``deliver_at``: an aware datetime; the deliveries are not admitted
     before it (a past time means now). For "09:00 in the tenant's time zone" pass
-    ``deliveries.timezones.next_local_time(tenant.time_zone, time(9))``. ``endpoint_ids``:
+    ``deliveries.core.timezones.next_local_time(tenant.time_zone, time(9))``. ``endpoint_ids``:
     exactly these of the tenant's enabled endpoints, whatever their event-type filters (a
     test event).
     """
@@ -462,7 +463,7 @@ def active_secrets(
     endpoint_ids: Iterable[uuid.UUID], *, now: datetime
 ) -> dict[uuid.UUID, list[str]]:
     """Signing secrets by endpoint, newest first, leaving out expired ones (and, logged,
-    any that no configured key decrypts: deliveries.encryption.reveal_or_skip).
+    any that no configured key decrypts: deliveries.core.encryption.reveal_or_skip).
 
     Workers ask for every batch they lease: one statement (queries.ACTIVE_SECRETS)."""
     found: dict[uuid.UUID, list[str]] = {}

@@ -16,13 +16,11 @@ a slow one slows that process, so hand long work to a job.
 When nothing is connected, sending costs nothing: the rows are not read.
 """
 
-import logging
-from collections.abc import Iterable
-
-from django.db import transaction
 from django.dispatch import Signal
 
-logger = logging.getLogger(__name__)
+from .core.signals import send_after_commit
+
+__all__ = ["delivery_dead", "delivery_succeeded", "endpoint_disabled", "send_after_commit"]
 
 # A delivery reached its receiver (2xx): ``instance`` is the Delivery.
 delivery_succeeded = Signal()
@@ -33,28 +31,3 @@ delivery_dead = Signal()
 # An endpoint was disabled, by the failure clock, a 410, an operator or the API:
 # ``instance`` is the Endpoint, ``instance.disabled_reason`` says why.
 endpoint_disabled = Signal()
-
-
-def send_after_commit(signal: Signal, model, ids: Iterable) -> None:
-    """Send ``signal`` for each row of ``model`` in ``ids`` once the current transaction
-    commits (at once outside one), reading the rows as they then stand."""
-    if not signal.has_listeners(model):
-        return
-    ids = list(ids)
-    if ids:
-        transaction.on_commit(lambda: _send(signal, model, ids))
-
-
-def _send(signal: Signal, model, ids: list) -> None:
-    for instance in model.objects.filter(pk__in=ids):
-        for receiver, result in signal.send_robust(sender=model, instance=instance):
-            if isinstance(result, Exception):
-                logger.error(
-                    "signal receiver failed",
-                    exc_info=result,
-                    extra={
-                        "action": "signal.receiver_failed",
-                        "receiver": getattr(receiver, "__qualname__", repr(receiver)),
-                        "object_id": str(instance.pk),
-                    },
-                )

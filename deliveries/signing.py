@@ -76,7 +76,7 @@ def delivery_headers(
     body: bytes,
 ) -> dict[str, str]:
     """The headers of one delivery attempt: the endpoint's custom headers (already
-    held to ``deliveries.headers``, which keeps out the protocol's names in any case),
+    held to ``deliveries.core.headers``, which keeps out the protocol's names in any case),
     then the protocol's."""
     signature = signature_header(secrets, msg_id=msg_id, timestamp=timestamp, body=body)
     return {**custom, **protocol_headers(msg_id=msg_id, timestamp=timestamp, signature=signature)}

@@ -29,12 +29,13 @@ from django.db import transaction
 from django.db.models import F, Q
 from psycopg.types.json import Jsonb
 
-from deliveries.conf import settings
+from deliveries.core.conf import settings
 
 from . import queries, signals
+from .core.retry import RetryPolicy
 from .jobs import wakeup
 from .models import Delivery, DeliveryState, Endpoint, Outcome
-from .policy import Classification, RetryPolicy
+from .policy import Classification
 
 PENDING = DeliveryState.PENDING
 ENQUEUED = DeliveryState.ENQUEUED

@@ -11,9 +11,10 @@ from django.apps import apps
 from django.urls import include, path, re_path
 from django.utils.module_loading import import_string
 
-from . import health, prometheus
+from . import health
 from .api.base import ApiRouter
 from .api.errors import api_not_found
+from .core import prometheus
 
 
 def _api_v1() -> ApiRouter:

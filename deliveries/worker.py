@@ -47,8 +47,8 @@ from datetime import UTC, datetime
 from django.db import close_old_connections, transaction
 from django.utils import timezone
 
-from deliveries.conf import settings
-from deliveries.prometheus import (
+from deliveries.core.conf import settings
+from deliveries.core.prometheus import (
     ATTEMPTS,
     DELIVERIES_FINISHED,
     DISPATCH_DURATION,
@@ -56,15 +56,17 @@ from deliveries.prometheus import (
     status_class,
 )
 
-from . import state, tracing
-from .egress import EgressError, EgressSession
-from .headers import DROPPED, REDACTED, sendable_headers
+from . import state
+from .core import tracing
+from .core.egress import EgressError, EgressSession
+from .core.headers import DROPPED, REDACTED, sendable_headers
+from .core.retry import RetryPolicy, parse_retry_after
 from .jobs import broker, kinds, wakeup
 from .jobs.faults import crash_point
 from .jobs.loop import DB_ERRORS, Backoff, reset_connection
 from .metrics import ENDPOINT_LABELS
 from .models import Endpoint, endpoint_timeout
-from .policy import RetryPolicy, classify, parse_retry_after
+from .policy import classify
 from .selectors import allowed_networks
 from .services import active_secrets
 from .signing import delivery_headers

@@ -8,8 +8,13 @@ from django.contrib import admin, messages
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
-from deliveries.admin import CappedCountPaginator, ReadOnlyAdmin, state_badge
-from deliveries.jobs.console import AuditedEdits, ConsoleAdmin
+from deliveries.core.console import (
+    AuditedEdits,
+    CappedCountPaginator,
+    ConsoleAdmin,
+    ReadOnlyAdmin,
+    state_badge,
+)
 
 from . import mail, processing
 from .backfill import (

@@ -6,7 +6,8 @@ from datetime import datetime
 
 from django.db import transaction
 
-from deliveries.alerts import Kind, Signal, checkpoint
+from deliveries.alerts import Kind, checkpoint
+from deliveries.core.alerts import Signal
 from ingest.conf import settings
 
 from .models import VerificationFailure

@@ -18,10 +18,11 @@ class IngestConfig(AppConfig):
         from django.core.checks import register
         from django.db.models.signals import post_delete, post_save
 
-        from deliveries import alerts, overview, retention
+        from deliveries import overview
         from deliveries.checks import on_readable_settings
+        from deliveries.core import alerts, retention
+        from deliveries.core.prometheus import register_provider
         from deliveries.jobs import kinds
-        from deliveries.prometheus import register_provider
 
         from . import jobs  # noqa: F401  (registers the console's poll and backfill jobs)
         from .alerts import verification_failure_check

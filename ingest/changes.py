@@ -33,7 +33,7 @@ from typing import Any
 
 from yarl import URL
 
-from deliveries.egress import EgressError, EgressPolicy, EgressSession
+from deliveries.core.egress import EgressError, EgressPolicy, EgressSession
 from deliveries.selectors import egress_policy_for
 from ingest.conf import settings
 
@@ -103,7 +103,7 @@ class PollAdapter(ABC):
 
 
 class EgressFetcher:
-    """Synchronous GETs through ``deliveries.egress`` (SSRF guard, timeouts, size cap) for
+    """Synchronous GETs through ``deliveries.core.egress`` (SSRF guard, timeouts, size cap) for
     the poller's synchronous loop: one private event loop, run between database writes."""
 
     def __init__(

@@ -1,10 +1,10 @@
-"""The inbound app's settings, each with its default here (deliveries/conf.py explains the
+"""The inbound app's settings, each with its default here (deliveries/core/conf.py explains the
 lookup: ``TRUSTY_WEBHOOKS``, then the flat setting, then this default). ``settings`` also
 answers the outbound app's names, which the inbound side shares (loops, alerts)."""
 
 from datetime import timedelta
 
-from deliveries import conf as deliveries_conf
+from deliveries.core import conf as deliveries_conf
 
 DEFAULTS: dict[str, object] = {
     # Modules that register inbound handlers with @ingest.handlers.handler (imported at
@@ -60,7 +60,7 @@ DEFAULTS: dict[str, object] = {
     "SMTP_DKIM_RESOLVER": "",
 }
 
-# The unit of each of these that is a duration (deliveries/conf.py, UNITS).
+# The unit of each of these that is a duration (deliveries/core/conf.py, UNITS).
 UNITS = {
     "INGEST_SOURCE_CACHE_SECONDS": deliveries_conf.SECOND,
     "RETENTION_INBOUND_DAYS": timedelta(days=1),

@@ -1,11 +1,11 @@
-"""The inbound side's database gauges, registered with ``deliveries.prometheus``."""
+"""The inbound side's database gauges, registered with ``deliveries.core.prometheus``."""
 
 from collections.abc import Iterable
 
 from django.db.models import Count
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from deliveries.prometheus import add_state_counts
+from deliveries.core.prometheus import add_state_counts
 
 from .models import (
     BackfillRun,

@@ -6,8 +6,8 @@ import uuid
 from django.db import models
 from django.db.models import Q, Value
 
-from deliveries import encryption
-from deliveries.jobs.ids import uuid7
+from deliveries.core import encryption
+from deliveries.core.ids import uuid7
 
 from .schemes import SCHEMES
 
@@ -52,7 +52,7 @@ class SourceSecret(models.Model):
 
     id = models.BigAutoField(primary_key=True)
     source = models.ForeignKey(Source, on_delete=models.CASCADE, related_name="secrets")
-    # A Fernet token under SECRETS_ENCRYPTION_KEYS (deliveries/encryption.py); null only on
+    # A Fernet token under SECRETS_ENCRYPTION_KEYS (deliveries/core/encryption.py); null only on
     # a row a release before encryption wrote, until migration 0007 or
     # rotate_encryption_keys encrypts it.
     secret_encrypted = models.TextField(null=True, blank=True)  # noqa: DJ001

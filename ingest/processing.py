@@ -27,10 +27,10 @@ from django.db import DatabaseError, transaction
 from django.db.models import F
 from django.utils import timezone
 
+from deliveries.core.prometheus import INBOUND_HANDLER_DURATION, INBOUND_PROCESSED
+from deliveries.core.retry import RetryPolicy
 from deliveries.jobs.broker import Message
 from deliveries.jobs.locks import entity_lock_acquire, entity_lock_release, entity_locks_acquire
-from deliveries.policy import RetryPolicy
-from deliveries.prometheus import INBOUND_HANDLER_DURATION, INBOUND_PROCESSED
 from ingest.conf import settings
 
 from . import mail

@@ -1,11 +1,11 @@
 """The statements of the inbound fast path, each defined once by name: its PostgreSQL
 text and, directly below it, the same effect written with the ORM for SQLite
-(``deliveries.jobs.sql.Statement``). A statement takes the same parameters and gives
+(``deliveries.core.sql.Statement``). A statement takes the same parameters and gives
 back the same shape whichever spelling runs, so ``ingest.receiving`` and
 ``ingest.processing`` never ask which database they are on to store, lease or record an
 event.
 
-Array parameters travel in binary format (``%(name)b::type[]``, see deliveries.jobs.sql).
+Array parameters travel in binary format (``%(name)b::type[]``, see deliveries.core.sql).
 ``write_outbox`` is the ORM's way to enqueue stored events: the ORM spellings below and
 the scheduler's admission share it, where the PostgreSQL statements write their outbox
 rows in the same round trip.
@@ -20,10 +20,10 @@ from django.db.models import BinaryField, Case, F, Q, When
 from django.db.models.functions import Length
 from django.db.models.lookups import LessThanOrEqual
 
-from deliveries.jobs.ids import UUID7_SQL, uuid7
+from deliveries.core.ids import UUID7_SQL, uuid7
+from deliveries.core.sql import Statement
 from deliveries.jobs.locks import RELEASE_SQL, entity_lock_release
 from deliveries.jobs.outbox import outbox_insert_sql, outbox_write
-from deliveries.jobs.sql import Statement
 
 from .models import EntityVersion, HandlerRun, InboundEvent, InboundState, Source
 

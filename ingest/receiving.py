@@ -19,9 +19,9 @@ from django.db.models import F
 from django.utils import timezone
 from psycopg.types.json import Jsonb
 
-from deliveries.jobs.ids import uuid7
-from deliveries.prometheus import INBOUND_EMAILS, INBOUND_RECEIVED, INBOUND_SIGNATURE_FAILURES
-from deliveries.signals import send_after_commit
+from deliveries.core.ids import uuid7
+from deliveries.core.prometheus import INBOUND_EMAILS, INBOUND_RECEIVED, INBOUND_SIGNATURE_FAILURES
+from deliveries.core.signals import send_after_commit
 
 from . import mail
 from .conf import settings

@@ -7,7 +7,7 @@ from datetime import datetime, timedelta
 
 from django.db.models import QuerySet
 
-from deliveries.retention import Pruner
+from deliveries.core.retention import Pruner
 from ingest.conf import settings
 
 from .models import InboundEvent, InboundState, Source

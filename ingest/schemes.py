@@ -45,7 +45,7 @@ from email.parser import BytesParser
 from typing import Any, ClassVar
 from urllib.parse import parse_qs
 
-from deliveries.text import text_problem
+from deliveries.core.text import text_problem
 
 REASONS = frozenset(
     {

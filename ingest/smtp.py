@@ -45,8 +45,8 @@ from django.db import close_old_connections, connections
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
+from deliveries.core.prometheus import INBOUND_REFUSED
 from deliveries.jobs.faults import crash_point
-from deliveries.prometheus import INBOUND_REFUSED
 
 from . import mail
 from .conf import settings

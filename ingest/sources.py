@@ -15,8 +15,8 @@ from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from deliveries import encryption, ratelimit
-from deliveries.prometheus import INBOUND_REFUSED
+from deliveries.core import encryption, ratelimit
+from deliveries.core.prometheus import INBOUND_REFUSED
 from ingest.conf import settings
 
 from .models import Source, SourceSecret, VerificationFailure
@@ -80,7 +80,7 @@ def source_create(
 
 def source_throttle(source: Source) -> int:
     """Seconds to wait if ``source`` is over its rate limit this second, else 0. Counted
-    per second in the shared cache (deliveries/ratelimit.py): the limit holds across every
+    per second in the shared cache (deliveries/core/ratelimit.py): the limit holds across every
     web process and host."""
     if not source.rate_limit:
         return 0

@@ -25,7 +25,7 @@ from django.http import JsonResponse, UnreadablePostError
 from django.http.request import HttpHeaders
 from django.views.decorators.csrf import csrf_exempt
 
-from deliveries.text import text_problem
+from deliveries.core.text import text_problem
 
 from . import receiving, sources
 from .schemes import Request
@@ -176,7 +176,7 @@ def _headers(meta: dict) -> dict[str, str]:
 
 
 def _unstorable_header(headers: dict[str, str]) -> bool:
-    """A header name or value the stored event could not keep (``deliveries.text``).
+    """A header name or value the stored event could not keep (``deliveries.core.text``).
     gunicorn refuses NUL in headers before the application runs; other servers may not.
     One check of all of them joined: NUL and a lone surrogate are one character each, so
     the joined text holds one exactly when some name or value does."""

@@ -1,12 +1,12 @@
 """The standalone service's own admin: its staff users and groups, whose adds, edits and
-deletions are audited like the products' (deliveries.jobs.console.AuditedEdits). A host
+deletions are audited like the products' (deliveries.core.console.AuditedEdits). A host
 project keeps its own user admin."""
 
 from django.contrib import admin
 from django.contrib.auth.admin import GroupAdmin, UserAdmin
 from django.contrib.auth.models import Group, User
 
-from deliveries.jobs.console import AuditedEdits, ConsoleAdmin
+from deliveries.core.console import AuditedEdits, ConsoleAdmin
 
 
 class ConsoleUserAdmin(AuditedEdits, ConsoleAdmin, UserAdmin):

@@ -1,7 +1,7 @@
 """Settings of the standalone service: a thin host of the apps.
 
 Every value comes from the environment through one ``environ.Env`` object, read with a
-type. The apps' own settings take their defaults from the apps (deliveries/conf.py,
+type. The apps' own settings take their defaults from the apps (deliveries/core/conf.py,
 ingest/conf.py), so each default is written once; what is set here is the host's:
 database, cache, security, REST, mail, logging, django-q2's cluster. docs/settings.md
 documents each one; ``deliveries/checks.py`` turns a misconfiguration into a
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import environ
 
-from deliveries import conf as deliveries_conf
 from deliveries.apps import TRUSTY_APPS
+from deliveries.core import conf as deliveries_conf
 from ingest import conf as ingest_conf
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -61,8 +61,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
-    # Admin pages: input the database refuses gets 400, not 500 (deliveries/admin_input.py).
-    "deliveries.admin_input.AdminInputMiddleware",
+    # Admin pages: input the database refuses gets 400, not 500 (deliveries/core/admin_input.py).
+    "deliveries.core.admin_input.AdminInputMiddleware",
 ]
 
 ROOT_URLCONF = "project.urls"
@@ -106,7 +106,7 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     # DATABASE_POOLER: a pooler in transaction mode before the server (PgBouncer), whose
     # server connections change between transactions (deliveries/jobs/connections.py).
     _pooler = env.str("DATABASE_POOLER", default=deliveries_conf.DEFAULTS["DATABASE_POOLER"])
-    # The hot path's statements (deliveries.jobs.sql.bound_cursor: claim, lease, record,
+    # The hot path's statements (deliveries.core.sql.bound_cursor: claim, lease, record,
     # publish, the inbound insert) are prepared on a connection after this many runs, so
     # PostgreSQL stops parsing and planning them every time. The ORM's client-side-binding
     # cursors never prepare. 0 turns it off, the default behind DATABASE_POOLER=transaction
@@ -137,7 +137,7 @@ elif DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # --- Cache ------------------------------------------------------------------------------
-# The throttles count here (deliveries/ratelimit.py), so every web process and host must
+# The throttles count here (deliveries/core/ratelimit.py), so every web process and host must
 # share it: a per-process cache (locmem) lets each gunicorn process have the whole rate.
 # CACHE_URL in django-environ's form (rediscache://127.0.0.1:6379/1, Django's Redis
 # backend); unset, the database cache, whose table deliveries' migrations create.
@@ -187,7 +187,7 @@ X_FRAME_OPTIONS = "DENY"
 
 # --- The apps' settings (docs/settings.md) --------------------------------------------
 # Every setting the apps read, from the environment variable of the same name, with the
-# default the app carries (deliveries/conf.py, ingest/conf.py): written once, there. The
+# default the app carries (deliveries/core/conf.py, ingest/conf.py): written once, there. The
 # default's type is the type read; a tuple is a comma-separated list of its items' type.
 
 
@@ -239,7 +239,7 @@ LOG_LEVEL = env.str("LOG_LEVEL", default="INFO")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"json": {"()": "deliveries.logs.JsonFormatter"}},
+    "formatters": {"json": {"()": "deliveries.core.logs.JsonFormatter"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "json"}},
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
     "loggers": {

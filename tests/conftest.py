@@ -252,7 +252,7 @@ def scrape(*, fresh: bool = True, **client) -> dict:
     from django.test import Client, override_settings
     from prometheus_client.parser import text_string_to_metric_families
 
-    from deliveries import prometheus as metrics
+    from deliveries.core import prometheus as metrics
 
     if fresh:
         metrics.DATABASE_COLLECTOR.clear()

@@ -7,9 +7,9 @@ from django.utils import timezone
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication, exceptions, permissions, throttling
 
-from deliveries import ratelimit
+from deliveries.core import ratelimit
 
-from ..conf import settings
+from ..core.conf import settings
 from ..models import ApiKey, Tenant
 from ..services import hash_api_key
 
@@ -60,7 +60,7 @@ class IsTenant(permissions.BasePermission):
 class ApiKeyThrottle(throttling.SimpleRateThrottle):
     """Requests per API key (``API_THROTTLE_RATE``), answered 429 with Retry-After.
 
-    Counted in fixed windows in the shared cache (deliveries/ratelimit.py), so the rate holds
+    Counted in fixed windows in the shared cache (deliveries/core/ratelimit.py), so the rate holds
     for the key across every web process and host. DRF's own throttle keeps a list of
     request times per key and writes it back, which loses concurrent requests."""
 

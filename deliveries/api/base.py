@@ -35,7 +35,7 @@ class ProductAPIView:
     # customer API: a tenant's API key, views.TenantScoped). Comments, not a docstring:
     # drf-spectacular would print a docstring as every operation's description.
 
-    # JSON bodies held to deliveries.text (no NUL, no lone surrogates, bounded nesting).
+    # JSON bodies held to deliveries.core.text (no NUL, no lone surrogates, bounded nesting).
     parser_classes = [StrictJSONParser, parsers.FormParser, parsers.MultiPartParser]
     renderer_classes = [renderers.JSONRenderer, renderers.BrowsableAPIRenderer]
     filter_backends = [DjangoFilterBackend]

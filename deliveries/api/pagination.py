@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 
 from rest_framework import exceptions, pagination
 
-from ..text import text_problem
+from ..core.text import text_problem
 
 
 class InvalidCursor(exceptions.APIException):

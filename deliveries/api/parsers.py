@@ -1,8 +1,8 @@
-"""Request bodies the API can take: JSON held to ``deliveries.text.json_problem``."""
+"""Request bodies the API can take: JSON held to ``deliveries.core.text.json_problem``."""
 
 from rest_framework import exceptions, parsers, serializers
 
-from ..text import MAX_JSON_DEPTH, json_problem
+from ..core.text import MAX_JSON_DEPTH, json_problem
 
 # A JSON field's value sits one level inside the body's own object.
 FIELD_MAX_DEPTH = MAX_JSON_DEPTH - 1

@@ -5,11 +5,11 @@ from django.utils.dateparse import parse_datetime
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from deliveries.conf import settings
+from deliveries.core.conf import settings
 
 from ..catalogue import validate_event_type_filter
-from ..egress import validate_endpoint_url
-from ..headers import MAX_VALUE_LENGTH, validate_endpoint_headers
+from ..core.egress import validate_endpoint_url
+from ..core.headers import MAX_VALUE_LENGTH, validate_endpoint_headers
 from ..jobs.models import Job
 from ..jobs.selectors import job_progress
 from ..models import Attempt, Delivery, Endpoint, Event, EventType, EventTypeVersion

@@ -13,6 +13,7 @@ from rest_framework.decorators import action
 from rest_framework.response import Response
 
 from .. import services
+from ..core.text import text_problem
 from ..jobs.models import Job
 from ..models import (
     Attempt,
@@ -23,7 +24,6 @@ from ..models import (
     Event,
     EventType,
 )
-from ..text import text_problem
 from . import serializers as s
 from .auth import ApiKeyAuthentication, ApiKeyThrottle, IsTenant
 from .base import ProductAPIView, extend_schema

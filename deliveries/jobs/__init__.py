@@ -36,10 +36,10 @@ Its models (the outbox, the database broker's queue, entity locks and loop runs)
 this app's (label ``trusty_jobs``) and keep their tables' names.
 
 Nothing here imports the products' modules (``deliveries``' models, state machine and
-services, or ``ingest``); only the package's settings (``deliveries.conf``), tracing, the
-text rules (``deliveries.text``, for masking secrets in a job's traceback), the
-time-zone rule (``deliveries.timezones``, a recurring job's zone) and, when a job's retry
-is computed, the shared ``deliveries.policy.RetryPolicy``.
+services, or ``ingest``); only the package's settings (``deliveries.core.conf``), tracing, the
+text rules (``deliveries.core.text``, for masking secrets in a job's traceback), the
+time-zone rule (``deliveries.core.timezones``, a recurring job's zone) and, when a job's retry
+is computed, the shared ``deliveries.core.retry.RetryPolicy``.
 The kinds register themselves from their AppConfig.ready. (Modules are imported by
 name; this package's ``__init__`` imports nothing, as Django loads it before the models
 are ready.)

@@ -15,10 +15,10 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils.html import format_html
 
+from ..core.confirm import Operation, Selection, confirm_operation
+from ..core.console import AuditedEdits, ConsoleAdmin
 from . import services
 from .background import JOB_TYPES
-from .confirm import Operation, Selection, confirm_operation
-from .console import AuditedEdits, ConsoleAdmin
 from .models import Job, JobRun, JobState, RecurringJob
 from .selectors import job_progress
 

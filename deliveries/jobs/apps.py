@@ -11,7 +11,7 @@ class JobsConfig(AppConfig):
     def ready(self) -> None:
         from importlib import import_module
 
-        from deliveries.conf import settings
+        from deliveries.core.conf import settings
 
         from . import kinds
         from .background import KIND, jobs_schedule

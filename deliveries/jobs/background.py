@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING
 from django.core.serializers.json import DjangoJSONEncoder
 from django.utils import timezone
 
-from deliveries.conf import settings
+from deliveries.core.conf import settings
 
+from ..core.ids import uuid7
 from . import wakeup
-from .ids import uuid7
 
 if TYPE_CHECKING:
-    from deliveries.policy import RetryPolicy
+    from deliveries.core.retry import RetryPolicy
 
 KIND = "job"
 
@@ -107,7 +107,7 @@ class JobType:
         return self.timeout + settings.JOBS_LEASE_MARGIN
 
     def policy(self) -> "RetryPolicy":
-        from deliveries.policy import RetryPolicy
+        from deliveries.core.retry import RetryPolicy
 
         return self.retry or RetryPolicy.from_settings()
 
@@ -197,7 +197,7 @@ def job(
     if version < 1:
         raise ValueError("version starts at 1")
     if isinstance(retry, Mapping):
-        from deliveries.policy import RetryPolicy
+        from deliveries.core.retry import RetryPolicy
 
         retry = RetryPolicy(**retry)
 

@@ -40,7 +40,7 @@ from django.utils.module_loading import import_string
 from django_q.brokers import Broker
 from django_q.conf import Conf
 
-from deliveries.conf import settings
+from deliveries.core.conf import settings
 
 from . import wakeup
 from .models import QueueMessage
@@ -66,7 +66,7 @@ except ImportError:
 # READABLE_VERSIONS, because a queue drains across deploys: a message written by the
 # previous release may be read by this one (docs/compatibility.md keeps the matrix).
 #   1: {"d": job id hex, "n": dispatch, "p": priority, "k"?: kind}  (no "v" key)
-#   2: version 1 + "v": 2 and "tp"?: a W3C traceparent (deliveries/tracing.py)
+#   2: version 1 + "v": 2 and "tp"?: a W3C traceparent (deliveries/core/tracing.py)
 MESSAGE_VERSION = 2
 READABLE_VERSIONS = frozenset({1, 2})
 

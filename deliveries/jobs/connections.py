@@ -26,7 +26,7 @@ from collections.abc import Mapping
 
 from django.db import DatabaseError, connections
 
-from deliveries.conf import TRANSACTION_POOLERS, app_setting, settings
+from deliveries.core.conf import TRANSACTION_POOLERS, app_setting, settings
 
 
 def transaction_pooled() -> bool:

@@ -19,7 +19,7 @@ soak run the real commands with it set. The named points:
 
 import os
 
-from deliveries.conf import settings
+from deliveries.core.conf import settings
 
 POINTS = frozenset(
     {

@@ -23,8 +23,8 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import F, Q
 from psycopg.types.json import Jsonb
 
+from ..core.sql import Statement
 from .models import EntityLock, Job, JobOutcome, JobRun, JobState
-from .sql import Statement
 
 PENDING, RUNNING, DONE, DEAD = JobState.PENDING, JobState.RUNNING, JobState.DONE, JobState.DEAD
 # The error class of a ``lost`` run (the sweep's): no exception was seen, the lease ran out.

@@ -28,7 +28,7 @@ from django.db import (
 )
 from django.utils import timezone
 
-from deliveries.conf import settings
+from deliveries.core.conf import settings
 
 from . import wakeup
 from .models import LoopRun

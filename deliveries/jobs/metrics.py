@@ -1,9 +1,9 @@
 """The background jobs' Prometheus metrics. They live here, in the machinery, because
 the worker that counts runs (``runner``) may import no product module, and
-``deliveries.prometheus`` is the deliveries app's: these are plain prometheus-client
+``deliveries.core.prometheus`` is the deliveries app's: these are plain prometheus-client
 metrics, so the ``/metrics`` view exposes them with the rest (summed over
 ``PROMETHEUS_MULTIPROC_DIR`` like every process metric). The database gauges,
-``job_gauges``, are registered with ``deliveries.prometheus.register_provider`` by the
+``job_gauges``, are registered with ``deliveries.core.prometheus.register_provider`` by the
 deliveries app at start, and computed at scrape time like its own.
 
 Labels are bounded: ``type`` is a type registered with ``@job`` in the process (any

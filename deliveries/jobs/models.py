@@ -8,10 +8,10 @@ import uuid
 from django.db import models
 from django.db.models import Q
 
-from deliveries.timezones import validate_time_zone
+from deliveries.core.timezones import validate_time_zone
 
+from ..core.ids import uuid7
 from .cron import validate_cron
-from .ids import uuid7
 
 
 class Outbox(models.Model):

@@ -8,8 +8,8 @@ import json
 from django.db import IntegrityError, transaction
 from django.db.models import F, Q
 
+from ..core.sql import Statement
 from .models import EntityLock, Outbox, QueueMessage
-from .sql import Statement
 
 # The database broker's queue.
 

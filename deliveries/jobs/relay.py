@@ -11,8 +11,8 @@ from datetime import timedelta
 from django.db import transaction
 from django.utils import timezone
 
-from deliveries import tracing
-from deliveries.conf import settings
+from deliveries.core import tracing
+from deliveries.core.conf import settings
 
 from . import broker, kinds
 from .faults import crash_point

@@ -28,8 +28,8 @@ from datetime import datetime, timedelta
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
-from deliveries.conf import settings
-from deliveries.text import mask_secrets
+from deliveries.core.conf import settings
+from deliveries.core.text import mask_secrets
 
 from . import wakeup
 from .background import (

@@ -31,7 +31,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from deliveries.text import MAX_JSON_DEPTH, json_problem
+from deliveries.core.text import MAX_JSON_DEPTH, json_problem
 
 from .background import JOB_TYPES, Fail, JobType, current_job, enqueue_job
 from .models import Job, JobOutcome, JobState
@@ -219,7 +219,7 @@ else:
             )
 
         def _policy(self, schedule, jitter):
-            from deliveries.policy import RetryPolicy
+            from deliveries.core.retry import RetryPolicy
 
             shared = RetryPolicy.from_settings()
             try:

@@ -9,7 +9,7 @@ writes to the delivery table go on meanwhile; a release that predates it ignores
 from django.db import migrations, models
 from django.db.models import Q
 
-from deliveries.jobs.sql import add_index_concurrently
+from deliveries.core.sql import add_index_concurrently
 
 INDEX = models.Index(
     fields=["endpoint", "-priority", "next_attempt_at"],

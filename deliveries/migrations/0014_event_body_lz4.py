@@ -10,7 +10,7 @@ keeps pglz (a notice, not an error). PostgreSQL only."""
 
 from django.db import migrations
 
-from deliveries.jobs.sql import compress_with_lz4
+from deliveries.core.sql import compress_with_lz4
 
 
 class Migration(migrations.Migration):

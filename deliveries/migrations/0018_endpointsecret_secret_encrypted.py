@@ -1,4 +1,4 @@
-"""Expand: endpoint signing secrets get an encrypted column (deliveries/encryption.py).
+"""Expand: endpoint signing secrets get an encrypted column (deliveries/core/encryption.py).
 
 The new column is nullable: a previous release still running inserts rows without it,
 with the secret in the old column, and this release reads both shapes. The old column

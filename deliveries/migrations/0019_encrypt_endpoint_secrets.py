@@ -7,7 +7,7 @@ SECRETS_ENCRYPTION_KEYS until then."""
 
 from django.db import migrations
 
-from deliveries import encryption
+from deliveries.core import encryption
 
 FIELDS = {"token_field": "secret_encrypted", "plaintext_field": "legacy_plaintext"}
 

@@ -12,7 +12,7 @@ LoopRun's kind gains "poll" (choices only: no SQL)."""
 from django.db import migrations, models
 from django_q.conf import Conf
 
-from deliveries.conf import settings
+from deliveries.core.conf import settings
 
 
 def move_tasks(apps, schema_editor):

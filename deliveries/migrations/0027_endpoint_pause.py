@@ -9,7 +9,7 @@ the index is built CONCURRENTLY (a non-atomic migration)."""
 from django.db import migrations, models
 from django.db.models import Q
 
-from deliveries.jobs.sql import add_index_concurrently
+from deliveries.core.sql import add_index_concurrently
 
 INDEX = models.Index(fields=["id"], condition=Q(paused_at__isnull=False), name="endpoint_paused")
 

@@ -19,7 +19,7 @@ from django.utils import timezone
 from django.views.decorators.clickjacking import xframe_options_exempt
 from django.views.decorators.csrf import csrf_protect
 
-from deliveries.conf import settings
+from deliveries.core.conf import settings
 
 from ..models import Tenant
 

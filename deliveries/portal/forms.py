@@ -7,7 +7,7 @@ from datetime import UTC
 from django import forms
 from django.utils import timezone
 
-from deliveries.conf import settings
+from deliveries.core.conf import settings
 
 from ..catalogue import group_of
 from ..models import DeliveryState, EventType

@@ -14,12 +14,12 @@ from django.db import transaction
 from django.urls import reverse
 from django.utils import timezone
 
-from deliveries.conf import settings
+from deliveries.core.conf import settings
 
 from ..models import PortalLink, Tenant
 from ..services import DomainError
 
-TOKEN_PREFIX = "whp_"  # noqa: S105 (a prefix, as deliveries.text masks it)
+TOKEN_PREFIX = "whp_"  # noqa: S105 (a prefix, as deliveries.core.text masks it)
 
 
 def _hash(token: str) -> str:

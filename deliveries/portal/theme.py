@@ -5,7 +5,7 @@ last). Colour values are held to a small grammar so that a setting cannot inject
 
 import re
 
-from deliveries.conf import settings
+from deliveries.core.conf import settings
 
 # The properties portal.css reads, with its defaults there.
 COLOR_NAMES = ("accent", "accent-text", "background", "surface", "text", "muted", "danger", "ok")

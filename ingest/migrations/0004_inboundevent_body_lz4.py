@@ -4,7 +4,7 @@ transaction, before the provider gets its 2xx."""
 
 from django.db import migrations
 
-from deliveries.jobs.sql import compress_with_lz4
+from deliveries.core.sql import compress_with_lz4
 
 
 class Migration(migrations.Migration):

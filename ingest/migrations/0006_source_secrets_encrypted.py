@@ -1,5 +1,5 @@
 """Expand: inbound source secrets and poll sources' auth secrets get encrypted columns
-(deliveries/encryption.py).
+(deliveries/core/encryption.py).
 
 Nullable: a previous release still running inserts rows without them, with the secret
 in the old column, and this release reads both shapes. The old columns stay in the

@@ -9,7 +9,7 @@ migration), so writes to the event table go on meanwhile."""
 from django.db import migrations, models
 from django.db.models import Q
 
-from deliveries.jobs.sql import add_index_concurrently
+from deliveries.core.sql import add_index_concurrently
 
 INDEX = models.Index(
     fields=["source", "entity_id", "occurred_at", "received_at"],

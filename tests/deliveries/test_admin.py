@@ -8,7 +8,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from deliveries import services
-from deliveries.admin import CappedCountPaginator
+from deliveries.core.console import CappedCountPaginator
 from deliveries.models import AuditEntry, Delivery, Endpoint, EventType, Tenant
 
 pytestmark = pytest.mark.django_db

@@ -96,7 +96,7 @@ def test_the_default_cache_is_shared():
 
 def test_a_host_without_q_cluster_is_told_the_line_that_quiets_django_q2(settings):
     from deliveries.checks import check_q_cluster
-    from deliveries.conf import q_cluster
+    from deliveries.core.conf import q_cluster
 
     assert check_q_cluster(None) == []  # the standalone service sets it
     del settings.Q_CLUSTER

@@ -13,9 +13,9 @@ from django.core.checks import ERROR
 from django.core.checks.registry import registry
 from django.core.exceptions import ImproperlyConfigured
 
-from deliveries import conf as deliveries_conf
-from deliveries.conf import MISTYPED, UNKNOWN_IN_NAMESPACE, SettingTypeError, read_setting
-from deliveries.encryption import configured_keys
+from deliveries.core import conf as deliveries_conf
+from deliveries.core.conf import MISTYPED, UNKNOWN_IN_NAMESPACE, SettingTypeError, read_setting
+from deliveries.core.encryption import configured_keys
 from ingest import conf as ingest_conf
 from ingest.conf import settings as app
 

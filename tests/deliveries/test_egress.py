@@ -1,4 +1,4 @@
-"""Tests for deliveries.egress, the SSRF guard and the one seam for outbound HTTP.
+"""Tests for deliveries.core.egress, the SSRF guard and the one seam for outbound HTTP.
 
 Everything that sends runs against real aiohttp servers on loopback addresses; aiohttp
 itself is never mocked. Nothing here ever sends a packet to a non-loopback address:
@@ -34,8 +34,8 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 
-from deliveries import egress as egress_module
-from deliveries.egress import (
+from deliveries.core import egress as egress_module
+from deliveries.core.egress import (
     USER_AGENT,
     EgressError,
     EgressPolicy,

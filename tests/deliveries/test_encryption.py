@@ -15,8 +15,9 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 from standardwebhooks.webhooks import Webhook
 
-from deliveries import encryption, services
+from deliveries import services
 from deliveries.checks import check_encryption_keys, check_encryption_keys_set
+from deliveries.core import encryption
 from deliveries.models import EndpointSecret
 from ingest.models import PollSource, SourceSecret
 from ingest.poll_sources import poll_source_create

@@ -1,4 +1,4 @@
-"""Custom endpoint headers: one rule (``deliveries.headers``) for the API, the admin's
+"""Custom endpoint headers: one rule (``deliveries.core.headers``) for the API, the admin's
 model form, the services, and the worker at send time."""
 
 import json
@@ -10,7 +10,7 @@ from django.core.exceptions import ValidationError
 from django.test import RequestFactory
 
 from deliveries import services
-from deliveries.headers import sendable_headers, validate_endpoint_headers
+from deliveries.core.headers import sendable_headers, validate_endpoint_headers
 from deliveries.models import Attempt, Delivery, Endpoint
 from tests.conftest import drain
 from tests.deliveries.test_api import client_for

@@ -8,7 +8,7 @@ import pytest
 from django.db import connection
 
 from deliveries import services
-from deliveries.jobs.ids import UUID7_SQL, uuid7
+from deliveries.core.ids import UUID7_SQL, uuid7
 from deliveries.models import Delivery
 from ingest.models import InboundEvent
 from ingest.receiving import NewEvent, inbound_store_many

@@ -10,7 +10,9 @@ from django.db.models import Count, Sum
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from deliveries import charts, overview, queries, services, state
+from deliveries import overview, queries, services, state
+from deliveries.core import charts
+from deliveries.core.retry import RetryPolicy
 from deliveries.models import (
     LATENCY_COLUMNS,
     Attempt,
@@ -19,7 +21,7 @@ from deliveries.models import (
     EndpointHour,
     Tenant,
 )
-from deliveries.policy import Classification, RetryPolicy
+from deliveries.policy import Classification
 from deliveries.scheduler import scheduler_tick
 from tests.conftest import drain, in_thread
 from tests.receiver import always, fail_first

@@ -7,10 +7,11 @@ from django.core.management import call_command
 from django.utils import timezone
 
 from deliveries import admission, services, state
+from deliveries.core.retry import RetryPolicy
 from deliveries.jobs.loop import start_run
 from deliveries.jobs.relay import relay_tick
 from deliveries.models import Attempt, AuditEntry, Delivery, Endpoint, Tenant
-from deliveries.policy import Classification, RetryPolicy
+from deliveries.policy import Classification
 from deliveries.scheduler import scheduler_tick
 from deliveries.selectors import delivery_explain
 from tests.conftest import drain, make_due, run_workers

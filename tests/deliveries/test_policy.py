@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from deliveries.core.retry import MIN_STEP, RetryPolicy, parse_retry_after
 from deliveries.models import Outcome
-from deliveries.policy import MIN_STEP, RetryPolicy, classify, parse_retry_after
+from deliveries.policy import classify
 
 SCHEDULE = (5, 300, 1800, 7200, 18000, 36000, 50400, 72000, 86400)
 

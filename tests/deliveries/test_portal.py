@@ -501,7 +501,7 @@ def test_the_tenant_registers_its_alert_address(alice):
 
 
 def test_retention_deletes_links_a_day_past_their_expiry():
-    from deliveries.retention import prune
+    from deliveries.core.retention import prune
 
     tenant = Tenant.objects.create(name="acme")
     old, _ = portal_link_create(tenant=tenant)

@@ -16,9 +16,9 @@ from django.utils import timezone
 from django_q.models import Schedule
 
 from deliveries import services
+from deliveries.core.retention import prune
 from deliveries.jobs.models import LoopRun, Outbox
 from deliveries.models import Attempt, Delivery, DeliveryListing, Endpoint, Event
-from deliveries.retention import prune
 from deliveries.schedules import install_schedules
 from ingest import handlers
 from ingest.models import HandlerRun, InboundEvent

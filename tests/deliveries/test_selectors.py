@@ -9,7 +9,7 @@ from rest_framework.test import APIClient
 from standardwebhooks.webhooks import Webhook
 
 from deliveries import services
-from deliveries.headers import DROPPED, NOT_STORED, REDACTED
+from deliveries.core.headers import DROPPED, NOT_STORED, REDACTED
 from deliveries.models import Attempt, Endpoint
 from deliveries.selectors import attempt_request_headers
 from tests.conftest import drain

@@ -98,8 +98,8 @@ def test_a_cancel_is_announced_after_commit_and_not_at_all_on_rollback(
 
 def test_retries_spent_by_expired_leases_are_announced_dead(tenant, make_endpoint, heard):
     from deliveries import state
+    from deliveries.core.retry import RetryPolicy
     from deliveries.jobs.relay import relay_tick
-    from deliveries.policy import RetryPolicy
     from deliveries.scheduler import scheduler_tick
 
     make_endpoint("http://127.0.0.1:9/x")

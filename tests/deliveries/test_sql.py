@@ -3,8 +3,8 @@
 import pytest
 from django.db import NotSupportedError, connection
 
+from deliveries.core.sql import Statement
 from deliveries.jobs.models import EntityLock
-from deliveries.jobs.sql import Statement
 
 pytestmark = [pytest.mark.django_db, pytest.mark.sqlite]
 

@@ -6,11 +6,11 @@ import pytest
 from django.utils import timezone
 
 from deliveries import services, state
+from deliveries.core.retry import RetryPolicy
 from deliveries.jobs.loop import start_run
 from deliveries.jobs.models import Outbox
 from deliveries.jobs.relay import relay_tick
 from deliveries.models import Delivery, Endpoint
-from deliveries.policy import RetryPolicy
 from deliveries.scheduler import scheduler_tick
 from deliveries.selectors import delivery_explain
 from tests.conftest import drain, run_workers

@@ -11,8 +11,8 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from deliveries import admission, services
+from deliveries.core.timezones import next_local_time, validate_time_zone
 from deliveries.models import Delivery, Tenant
-from deliveries.timezones import next_local_time, validate_time_zone
 from tests.conftest import drain
 
 pytestmark = pytest.mark.sqlite

@@ -9,7 +9,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from deliveries import services, tracing
+from deliveries import services
+from deliveries.core import tracing
 from deliveries.jobs.broker import Message
 from deliveries.jobs.models import QueueMessage
 from deliveries.jobs.relay import relay_tick

@@ -289,7 +289,8 @@ def test_a_loop_that_stays_busy_still_reads_its_notifications(monkeypatch):
 def test_a_recording_wakes_the_scheduler_only_when_a_delivery_left_its_lease(
     tenant, make_endpoint, receiver
 ):
-    from deliveries.policy import RetryPolicy, classify
+    from deliveries.core.retry import RetryPolicy
+    from deliveries.policy import classify
 
     make_endpoint(receiver.url("/ok"))
     services.publish_event(tenant=tenant, event_type="t", payload={})

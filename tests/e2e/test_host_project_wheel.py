@@ -30,7 +30,7 @@ from cryptography.fernet import Fernet
 from psycopg import sql
 from standardwebhooks.webhooks import Webhook
 
-from deliveries import conf as deliveries_conf
+from deliveries.core import conf as deliveries_conf
 from ingest import conf as ingest_conf
 from tests.e2e.host_wheel import (
     NOT_SOURCE,

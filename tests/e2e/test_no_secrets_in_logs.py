@@ -11,7 +11,7 @@ from django.test import Client
 from standardwebhooks.webhooks import Webhook
 
 from deliveries import services
-from deliveries.logs import JsonFormatter
+from deliveries.core.logs import JsonFormatter
 from deliveries.models import Delivery
 from ingest import handlers
 from ingest.schemes import get_scheme

@@ -562,7 +562,7 @@ def test_an_entity_can_come_from_a_header_pattern():
 
 @pytest.mark.parametrize("provider", ["sendgrid"], indirect=True)
 def test_the_raw_message_is_kept_under_the_inbound_retention(provider, settings):
-    from deliveries.retention import prune
+    from deliveries.core.retention import prune
 
     settings.RETENTION_INBOUND_DAYS = 1
     settings.INBOUND_DEDUPE_WINDOW = 86400

@@ -14,9 +14,9 @@ import pytest
 from django.db import connection, transaction
 from django.utils import timezone
 
+from deliveries.core.sql import Statement
 from deliveries.jobs.broker import Message
 from deliveries.jobs.relay import relay_tick
-from deliveries.jobs.sql import Statement
 from deliveries.scheduler import scheduler_tick
 from ingest import handlers, processing, schemes
 from ingest.models import InboundEvent

@@ -14,7 +14,7 @@ from django.utils import timezone
 from django_q.models import OrmQ, Task
 
 from deliveries import services
-from deliveries.jobs.ids import uuid7
+from deliveries.core.ids import uuid7
 from deliveries.jobs.models import Job, JobRun, LoopRun, RecurringJob
 from deliveries.models import (
     ApiKey,

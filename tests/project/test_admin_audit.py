@@ -8,7 +8,7 @@ import pytest
 from django.contrib.admin.utils import quote
 from django.contrib.auth.models import User
 
-from deliveries.jobs.console import AuditedEdits
+from deliveries.core.console import AuditedEdits
 from deliveries.models import AuditEntry, EventType, Tenant
 from tests.project.admin_console import (
     admin_url,

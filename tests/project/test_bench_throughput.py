@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bench import run
-from deliveries.conf import DEFAULTS
+from deliveries.core.conf import DEFAULTS
 
 
 def test_the_service_runs_the_defaults_but_for_the_settings_the_harness_names():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from django.conf import global_settings
 
-from deliveries import conf as deliveries_conf
+from deliveries.core import conf as deliveries_conf
 from ingest import conf as ingest_conf
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ def test_a_host_with_none_of_the_apps_settings_passes_check_and_migrates(tmp_pat
     migrated = host("migrate", "--no-input", tmp_path=tmp_path)
     assert migrated.returncode == 0, migrated.stderr
     show = (
-        "import json; from deliveries.conf import settings as d; "
+        "import json; from deliveries.core.conf import settings as d; "
         "from ingest.conf import settings as i; "
         "print(json.dumps([d.DELIVERY_RETRY_SCHEDULE, d.QUEUE_NAME, i.POLL_MAX_PAGES, "
         "d.API_THROTTLE_RATE]))"
@@ -180,7 +180,7 @@ def test_a_host_misconfiguration_is_reported_with_its_stable_id(tmp_path):
 
 
 def test_the_namespace_wins_over_the_flat_setting_which_wins_over_the_default(settings):
-    from deliveries.conf import settings as app
+    from deliveries.core.conf import settings as app
 
     settings.METRICS_TOKEN = "the-hosts-own"
     settings.TRUSTY_WEBHOOKS = {}

@@ -11,13 +11,13 @@ JOBS = ROOT / "deliveries" / "jobs"
 # tracing, and three pure modules the products share with it: the retry rule every kind
 # retries by (deliveries.policy.RetryPolicy, for the host's background jobs), the text
 # rules, whose secret masking a job's stored traceback goes through, and the time-zone
-# rule a recurring job's zone is validated by (deliveries.timezones).
+# rule a recurring job's zone is validated by (deliveries.core.timezones).
 SHARED = {
-    "deliveries.conf",
-    "deliveries.tracing",
+    "deliveries.core.conf",
+    "deliveries.core.tracing",
     "deliveries.policy",
-    "deliveries.text",
-    "deliveries.timezones",
+    "deliveries.core.text",
+    "deliveries.core.timezones",
 }
 TABLES = re.compile(r"deliveries_(outbox|queuemessage|entitylock|looprun)\b")
 
@@ -78,12 +78,12 @@ def test_the_message_key_is_spelled_in_one_place():
 
 # The places that may ask which database they are on: each uses a PostgreSQL feature that
 # has no SQLite counterpart. Everywhere else a statement's two spellings are a Statement
-# (deliveries.jobs.sql) in a queries module. Every place listed must still ask, so the
+# (deliveries.core.sql) in a queries module. Every place listed must still ask, so the
 # list stays exact.
 VENDOR_PLACES = {
-    "deliveries/jobs/sql.py": "where a statement's PostgreSQL and ORM spellings part",
+    "deliveries/core/sql.py": "where a statement's PostgreSQL and ORM spellings part",
     "deliveries/jobs/wakeup.py": "NOTIFY and LISTEN, PostgreSQL's; elsewhere loops poll",
-    "deliveries/prometheus.py": "the gauges' time budget is a statement_timeout",
+    "deliveries/core/prometheus.py": "the gauges' time budget is a statement_timeout",
     "deliveries/admin.py": "the paginator's count budget is a statement_timeout",
     "deliveries/checks.py": "the system check reads PostgreSQL's server settings",
     "deliveries/jobs/connections.py": "poolers, LISTEN and max_connections are PostgreSQL's",

@@ -9,8 +9,8 @@ from django.db import connection
 from django.test import Client
 from django.utils import timezone
 
-from deliveries import prometheus as metrics
 from deliveries import services, state
+from deliveries.core import prometheus as metrics
 from deliveries.jobs.models import LoopRun, Outbox
 from deliveries.jobs.relay import relay_tick
 from deliveries.metrics import EndpointLabels

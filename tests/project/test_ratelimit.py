@@ -1,4 +1,4 @@
-"""deliveries/ratelimit.py: concurrent hits on one counter, from real threads each with its
+"""deliveries/core/ratelimit.py: concurrent hits on one counter, from real threads each with its
 own database connection, are each counted once, in the database cache and in Redis."""
 
 import threading
@@ -7,7 +7,7 @@ import uuid
 import pytest
 from django.core.cache import caches
 
-from deliveries import ratelimit
+from deliveries.core import ratelimit
 from tests.conftest import in_thread
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -34,9 +34,9 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from deliveries import egress as egress_module
 from deliveries import services
-from deliveries.egress import EgressError, EgressPolicy, ErrorKind
+from deliveries.core import egress as egress_module
+from deliveries.core.egress import EgressError, EgressPolicy, ErrorKind
 from deliveries.models import Attempt, Delivery
 from tests.conftest import drain
 from tests.deliveries.test_egress import (

@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from deliveries.policy import MIN_STEP, RetryPolicy, parse_retry_after
+from deliveries.core.retry import MIN_STEP, RetryPolicy, parse_retry_after
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 PROPERTY = hypothesis_settings(max_examples=300, deadline=None)

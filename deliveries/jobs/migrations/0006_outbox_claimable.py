@@ -8,7 +8,7 @@ the build reads them."""
 from django.db import migrations, models
 from django.db.models import Q
 
-from deliveries.jobs.sql import add_index_concurrently
+from deliveries.core.sql import add_index_concurrently
 
 INDEX = models.Index(
     models.F("priority").desc(),

@@ -1,9 +1,9 @@
 """Template filters of the console's pages: the same rules as its admins
-(deliveries.jobs.console)."""
+(deliveries.core.console)."""
 
 from django import template
 
-from deliveries.jobs import console
+from deliveries.core import console
 
 register = template.Library()
 

@@ -1,7 +1,7 @@
 from django.core.management.base import BaseCommand, CommandError
 
-from deliveries.conf import settings
-from deliveries.retention import PRUNERS, prune
+from deliveries.core.conf import settings
+from deliveries.core.retention import PRUNERS, prune
 
 
 class Command(BaseCommand):

@@ -1,7 +1,7 @@
 from django.apps import apps
 from django.core.management.base import BaseCommand, CommandError
 
-from deliveries.encryption import UnreadableSecret, rotate_all
+from deliveries.core.encryption import UnreadableSecret, rotate_all
 
 
 class Command(BaseCommand):

@@ -2,7 +2,7 @@ import logging
 
 from django.core.management.base import BaseCommand
 
-from deliveries.conf import settings
+from deliveries.core.conf import settings
 from deliveries.jobs import broker, wakeup
 from deliveries.jobs.loop import StopFlag, run_loop
 from deliveries.jobs.relay import relay_tick

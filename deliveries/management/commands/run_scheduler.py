@@ -1,6 +1,6 @@
 from django.core.management.base import BaseCommand
 
-from deliveries.conf import settings
+from deliveries.core.conf import settings
 from deliveries.jobs import wakeup
 from deliveries.jobs.loop import StopFlag, run_loop
 from deliveries.scheduler import SchedulerPasses

@@ -4,7 +4,7 @@ import signal
 
 from django.core.management.base import BaseCommand, CommandError
 
-from deliveries.conf import settings
+from deliveries.core.conf import settings
 from deliveries.jobs.loop import StopFlag, recorded_run
 from deliveries.worker import Worker
 

@@ -15,6 +15,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from deliveries.alerts import dead_job_check
+from deliveries.core.ids import uuid7
 from deliveries.jobs.background import (
     JOB_TYPES,
     UnknownJobType,
@@ -22,7 +23,6 @@ from deliveries.jobs.background import (
     enqueue,
     jobs_schedule,
 )
-from deliveries.jobs.ids import uuid7
 from deliveries.jobs.locks import entity_lock_acquire
 from deliveries.jobs.models import EntityLock, Job, JobRun, JobState
 from deliveries.jobs.runner import JobWorker

@@ -84,13 +84,13 @@ REST_FRAMEWORK = {
 import os
 
 from deliveries.apps import TRUSTY_APPS
-from deliveries.conf import q_cluster
+from deliveries.core.conf import q_cluster
 
 # The three apps and the apps they use (rest_framework, django_filters, django_q, …);
 # a name you already list stays where it is.
 INSTALLED_APPS += [app for app in TRUSTY_APPS if app not in INSTALLED_APPS]
 # Admin input the database refuses (a NUL byte in a filter) is answered 400, not 500.
-MIDDLEWARE += ["deliveries.admin_input.AdminInputMiddleware"]
+MIDDLEWARE += ["deliveries.core.admin_input.AdminInputMiddleware"]
 
 # The API's and the receiver's rate limits count in the default cache: every process
 # must share it. The apps' migrations create this table (or point it at Redis). Past
@@ -111,7 +111,7 @@ Q_CLUSTER = q_cluster()
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"json": {"()": "deliveries.logs.JsonFormatter"}},
+    "formatters": {"json": {"()": "deliveries.core.logs.JsonFormatter"}},
     "handlers": {"json": {"class": "logging.StreamHandler", "formatter": "json"}},
     "loggers": {
         "deliveries": {"handlers": ["json"], "level": "INFO", "propagate": False},

@@ -26,7 +26,7 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 
-from deliveries.conf import settings
+from deliveries.core.conf import settings
 
 logger = logging.getLogger("deliveries.tracing")
 

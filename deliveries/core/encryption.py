@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 
-from deliveries.conf import settings
+from deliveries.core.conf import settings
 
 logger = logging.getLogger("deliveries.encryption")
 
