@@ -7,7 +7,7 @@ design go on this machine, given the writes it makes per delivery?
 
 Each role runs the service's statements verbatim (imported from ``deliveries``: the
 ``queries.`` names are the job machinery's, ``deliveries.jobs.queries``, the others the
-outbound product's, ``deliveries.queries``), on the service's tables and indexes, and
+outbound product's, ``deliveries.statements``), on the service's tables and indexes, and
 nothing else:
 
 * ``scheduler``: one scan of due rows (``SCAN_DUE``, nothing left out) and
@@ -91,7 +91,7 @@ def now() -> datetime:
 def run_scheduler(page: int) -> None:
     import psycopg
 
-    from deliveries.queries import ENQUEUE, SCAN_DUE
+    from deliveries.statements.admit import ENQUEUE, SCAN_DUE
 
     with psycopg.connect(connect_url(), autocommit=True) as conn:
         register(conn, "floor-sched")
@@ -148,7 +148,7 @@ def take_steps(queue: str, batch: int):
     service's worker does with the database broker: (leased, token), or None when
     there is nothing to take."""
     from deliveries.jobs import broker, queries
-    from deliveries.queries import LEASE
+    from deliveries.statements.worker import LEASE
 
     t = now()
     until = t + timedelta(seconds=60)
@@ -179,7 +179,7 @@ def take_steps(queue: str, batch: int):
 
 def record_steps(leased: list, token, rows: list):
     """The successes, their attempt rows and tallies in one transaction, one statement."""
-    from deliveries.queries import ATTEMPT_COLUMNS, RECORD
+    from deliveries.statements.worker import ATTEMPT_COLUMNS, RECORD
 
     ids = [r[0] for r in leased]
     params = {"now": now(), "ids": ids, "tokens": [token] * len(ids), "statuses": [200] * len(ids)}
@@ -194,7 +194,7 @@ def record_steps(leased: list, token, rows: list):
 def endpoint_steps(endpoint_id):
     """The endpoint's URL and active secrets (the service's statement), once per process."""
     from deliveries.core import encryption
-    from deliveries.queries import ACTIVE_SECRETS
+    from deliveries.statements.publish import ACTIVE_SECRETS
 
     url = yield ("query", "SELECT url FROM deliveries_endpoint WHERE id = %s", [endpoint_id])
     secrets = yield ("query", ACTIVE_SECRETS.sql, [[endpoint_id], now()])

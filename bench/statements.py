@@ -47,13 +47,17 @@ sys.path.insert(0, str(BENCH))
 import outbound as ob  # noqa: E402 - bench/ is not a package
 from run import SERVICE_ENV  # noqa: E402
 
-# The modules whose module-level ``Statement`` objects are the fast path's, by name.
-STATEMENT_MODULES = (
-    "deliveries.queries",
-    "deliveries.jobs.queries",
-    "deliveries.jobs.job_queries",
-    "ingest.queries",
-)
+# The modules whose module-level ``Statement`` objects are the fast path's, each with
+# the name of the kind its statements are reported under ("deliveries.LEASE").
+STATEMENT_MODULES = {
+    "deliveries.statements.admit": "deliveries",
+    "deliveries.statements.worker": "deliveries",
+    "deliveries.statements.publish": "deliveries",
+    "deliveries.statements.reads": "deliveries",
+    "deliveries.jobs.queries": "deliveries.jobs",
+    "deliveries.jobs.background.statements": "deliveries.jobs",
+    "ingest.queries": "ingest",
+}
 DELIVERY_STAGES = ("publish", "scheduler", "relay", "worker")
 JOB_STAGES = ("enqueue", "jobs")
 STAGES = DELIVERY_STAGES + JOB_STAGES
@@ -72,14 +76,14 @@ def named_statements() -> dict[int, str]:
     from deliveries.core.sql import Statement
 
     names = {}
-    for module_name in STATEMENT_MODULES:
+    for module_name, kind in STATEMENT_MODULES.items():
         try:
             module = importlib.import_module(module_name)
         except ImportError:
             continue
         for name, value in vars(module).items():
             if isinstance(value, Statement):
-                names.setdefault(id(value), f"{module_name.rsplit('.', 1)[0]}.{name}")
+                names.setdefault(id(value), f"{kind}.{name}")
     return names
 
 
@@ -236,8 +240,8 @@ def run_jobs(n: int, tally: Tally) -> dict:
     from django.db import transaction
 
     from deliveries.jobs.background import JOB_TYPES, enqueue, job
+    from deliveries.jobs.background.worker import JobWorker
     from deliveries.jobs.models import Job, JobRun
-    from deliveries.jobs.runner import JobWorker
 
     if NOOP_JOB not in JOB_TYPES:
         job(NOOP_JOB, queue="default")(noop)

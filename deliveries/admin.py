@@ -22,7 +22,7 @@ from django.utils.safestring import mark_safe
 from django_q import admin as q_admin  # registers django-q2's admins, replaced below
 from django_q.models import Failure, OrmQ, Schedule, Success
 
-from . import overview, queries, selectors, services
+from . import overview, selectors, services
 from .core import charts as charts_module
 from .core.confirm import Operation, Selection, confirm_operation
 from .core.console import (
@@ -62,6 +62,7 @@ from .selectors import (
     outcome_label,
     outcome_sentence,
 )
+from .statements import reads
 
 # Deliveries one replay by filter takes at most (the API's bulk recovery's ceiling too).
 REPLAY_MATCHING_MAX = services.RECOVER_MAX_ROWS
@@ -212,7 +213,7 @@ class EndpointFilter(SearchableFilter):
 
 class EventTypeFilter(SearchableFilter):
     """The event types in the catalogue and those published (a skip scan of the event
-    table's type index, queries.EVENT_TYPES_SEEN: one probe per type, not per event)."""
+    table's type index, reads.EVENT_TYPES_SEEN: one probe per type, not per event)."""
 
     title = "event type"
     parameter_name = "event_type"
@@ -225,7 +226,7 @@ class EventTypeFilter(SearchableFilter):
         return [(t, t) for t in self.known() if term.lower() in t.lower()]
 
     def known(self) -> list[str]:
-        seen = {t for (t,) in queries.EVENT_TYPES_SEEN({"most": 500})}
+        seen = {t for (t,) in reads.EVENT_TYPES_SEEN({"most": 500})}
         return sorted(seen | set(EventType.objects.values_list("name", flat=True)[:500]))
 
     def label_of(self, value):

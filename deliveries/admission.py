@@ -4,7 +4,7 @@ the endpoints' start-rate buckets.
 
 Admission chooses which rows go; it changes no delivery's state itself. The rows it
 chooses move ``pending → enqueued`` through ``deliveries.state.enqueue``, the state
-machine's guarded transition (one statement, ``queries.ENQUEUE``, that re-checks the
+machine's guarded transition (one statement, ``admit.ENQUEUE``, that re-checks the
 state and writes each delivery's outbox row), so ``deliveries.state`` stays the one
 module that changes a delivery's state. What admission writes of its own is the rate
 buckets (``EndpointThrottle``).
@@ -20,9 +20,10 @@ from django.db import transaction
 
 from deliveries.core.conf import settings
 
-from . import queries, state
+from . import state
 from .jobs import wakeup
 from .models import EndpointThrottle
+from .statements import admit
 
 
 @dataclass(frozen=True)
@@ -70,13 +71,13 @@ def admit_due(*, now: datetime, page_size: int, limits: Limits) -> AdmissionResu
     """
     result = AdmissionResult()
     with transaction.atomic():
-        queries.TAKE_ADMISSION_LOCK([queries.ADMISSION_LOCK_ID])
+        admit.TAKE_ADMISSION_LOCK([admit.ADMISSION_LOCK_ID])
         # Keys are text throughout (ids as PostgreSQL prints them): thousands of rows
         # pass through here per second, and building UUID objects for them would cost
         # more than the choosing.
         by_tenant: Counter = Counter()
         by_endpoint: Counter = Counter()
-        for tenant_id, endpoint_id, n in queries.IN_FLIGHT():
+        for tenant_id, endpoint_id, n in admit.IN_FLIGHT():
             by_tenant[tenant_id] += n
             by_endpoint[endpoint_id] += n
         result.in_flight = sum(by_tenant.values())
@@ -91,7 +92,7 @@ def admit_due(*, now: datetime, page_size: int, limits: Limits) -> AdmissionResu
             e for e, n in by_endpoint.items() if n >= slots.ceiling(slots.endpoints.get(e))
         }
         # Paused endpoints are left out as full ones are: their rows are never read.
-        full_endpoints |= {e for (e,) in queries.PAUSED_ENDPOINTS()}
+        full_endpoints |= {e for (e,) in admit.PAUSED_ENDPOINTS()}
         # Chunks of due rows, each scanned past the free slots so that tenants share
         # it round-robin. A row held back fills its tenant or endpoint (ceiling reached,
         # or no start token left): those leave the next chunk's scan, so rows they
@@ -124,7 +125,7 @@ def anything_due(now: datetime) -> bool:
     the held deliveries of paused endpoints do not count (an idle scheduler is one with
     nothing else to do, however long a pause lasts). By the scan admission uses, so a
     paused endpoint's backlog is not read past."""
-    paused = [e for (e,) in queries.PAUSED_ENDPOINTS()]
+    paused = [e for (e,) in admit.PAUSED_ENDPOINTS()]
     return bool(_scan_due(now, [], paused, 1))
 
 
@@ -205,7 +206,7 @@ def _endpoint_limits(ids: Iterable[str]) -> dict[str, dict]:
     """{id as text: {"id", "max_concurrency", "rate_limit"}} of these endpoints."""
     return {
         str(i): {"id": i, "max_concurrency": c, "rate_limit": r}
-        for i, c, r in queries.ENDPOINT_LIMITS([list(ids)])
+        for i, c, r in admit.ENDPOINT_LIMITS([list(ids)])
     }
 
 
@@ -225,20 +226,20 @@ def _scan_due(now, tenants: list[str], endpoints: list[str], limit: int) -> list
     oldest first, of tenants and endpoints not in ``tenants`` and ``endpoints``."""
     params = {"now": now, "tenants": tenants, "endpoints": endpoints, "limit": limit}
     if not tenants and not endpoints:
-        return queries.SCAN_DUE(params)
+        return admit.SCAN_DUE(params)
     window = SCAN_WINDOW * limit
-    found = queries.SCAN_DUE_WINDOW({**params, "window": window})
+    found = admit.SCAN_DUE_WINDOW({**params, "window": window})
     rows = [r[:4] for r in found if r[0] is not None]
     if len(rows) == limit or found[0][4] < window:
         return rows  # enough, or the window held every due row
-    waiting = [r[0] for r in queries.DUE_ENDPOINTS({"most": SCAN_BY_ENDPOINT_MAX})]
+    waiting = [r[0] for r in admit.DUE_ENDPOINTS({"most": SCAN_BY_ENDPOINT_MAX})]
     if len(waiting) > SCAN_BY_ENDPOINT_MAX:
-        return queries.SCAN_DUE(params)
+        return admit.SCAN_DUE(params)
     left_out = set(endpoints)
     candidates = [e for e in waiting if e not in left_out]
     if not candidates:
         return []
-    return queries.SCAN_DUE_OF_ENDPOINTS({**params, "candidates": candidates})
+    return admit.SCAN_DUE_OF_ENDPOINTS({**params, "candidates": candidates})
 
 
 @dataclass

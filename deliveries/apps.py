@@ -35,15 +35,15 @@ class DeliveriesConfig(AppConfig):
             retention,  # noqa: F401  (registers the product's pruners)
             services,
         )
-        from .catalogue import forget_schemas
         from .core import tracing
         from .jobs import kinds
         from .jobs import services as job_services
         from .jobs.metrics import job_gauges
         from .metrics import delivery_gauges
         from .models import EventType, EventTypeVersion
-        from .queries import DELIVERY_KIND
+        from .schemas import forget_schemas
         from .selectors import delivery_trace_contexts, tenant_choices
+        from .statements import DELIVERY_KIND
 
         # A catalogue change made in this process applies to its next publish at once.
         for model in (EventType, EventTypeVersion):

@@ -17,9 +17,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from deliveries.core.conf import settings
 from deliveries.core.prometheus import add_state_counts
 
-from . import queries
 from .jobs.models import LoopRun, Outbox
 from .models import Delivery, DeliveryState
+from .statements import admit, reads
 
 OTHER = "other"
 
@@ -57,7 +57,7 @@ def delivery_gauges(now: float) -> Iterable[Metric]:
         dead_letters.add_metric([outcome or "unknown"], n)
     yield dead_letters
 
-    (oldest,) = queries.OLDEST_DUE()
+    (oldest,) = reads.OLDEST_DUE()
     age = max(0.0, now - oldest.timestamp()) if oldest is not None else 0.0
     yield GaugeMetricFamily(
         "webhooks_oldest_due_delivery_age_seconds",
@@ -70,7 +70,7 @@ def delivery_gauges(now: float) -> Iterable[Metric]:
         "webhooks_endpoints_paused",
         "Endpoints paused: their pending deliveries are held until they are resumed. "
         "Index endpoint_paused.",
-        value=len(queries.PAUSED_ENDPOINTS()),
+        value=len(admit.PAUSED_ENDPOINTS()),
     )
 
     unpublished = Outbox.objects.filter(published_at__isnull=True)

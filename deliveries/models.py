@@ -17,7 +17,7 @@ from deliveries.core.conf import settings
 
 from . import catalogue
 from .core import encryption
-from .core.egress import ErrorKind, validate_endpoint_url
+from .core.egress import EgressPolicy, ErrorKind, match_allowances, validate_endpoint_url
 from .core.headers import validate_endpoint_headers
 from .core.ids import uuid7
 from .core.timezones import validate_time_zone
@@ -149,7 +149,7 @@ class Endpoint(models.Model):
                 name="endpoint_failing",
             ),
             # Admission's every pass: the paused endpoints, whose rows it leaves out
-            # (queries.PAUSED_ENDPOINTS). Partial: it holds the paused ones only.
+            # (statements.admit.PAUSED_ENDPOINTS). Partial: it holds the paused ones only.
             models.Index(
                 fields=["id"], condition=Q(paused_at__isnull=False), name="endpoint_paused"
             ),
@@ -161,11 +161,13 @@ class Endpoint(models.Model):
     def clean(self) -> None:
         """The admin's form and full_clean() refuse the URLs the API refuses, with the
         networks open to this endpoint's tenant (and to the endpoint) counted."""
-        from .selectors import egress_policy_for
-
         if not self.url or not self.tenant_id:
             return
-        policy = egress_policy_for(tenant_id=self.tenant_id, endpoint_id=self.pk)
+        target = (self.tenant_id, self.pk)
+        rows = EgressAllowance.objects.filter(tenant_id=self.tenant_id).values_list(
+            "tenant_id", "endpoint_id", "network"
+        )
+        policy = EgressPolicy.from_settings().widened(match_allowances([target], rows)[target])
         try:
             validate_endpoint_url(self.url, policy)
         except ValidationError as exc:
@@ -577,7 +579,7 @@ class AttemptMinute(models.Model):
     read without touching the attempt rows (1,440 minutes, whatever the traffic).
 
     Written by the worker's recording transaction, in the statement that records the
-    batch (queries.RECORD, its tallies those of queries.TALLY_ATTEMPTS). ``writer`` is
+    batch (statements.worker.RECORD, its tallies those of TALLY_ATTEMPTS). ``writer`` is
     the recording connection (its PostgreSQL backend pid): no two transactions ever add
     to one row at once, so recording workers never wait for each other here. Readers sum
     over it."""

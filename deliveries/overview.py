@@ -21,7 +21,6 @@ from datetime import datetime, timedelta
 from django.db.models import Count, Sum
 from django.db.models.functions import Trunc
 
-from . import queries
 from .jobs.models import LoopRun, Outbox
 from .models import (
     LATENCY_BOUNDS_MS,
@@ -34,6 +33,7 @@ from .models import (
     Outcome,
 )
 from .selectors import loop_stale_after
+from .statements import admit, reads
 
 WINDOW = timedelta(hours=24)
 
@@ -256,12 +256,12 @@ def queue(now: datetime) -> Queue:
     pending = Delivery.objects.filter(state=DeliveryState.PENDING)
     due = _capped(pending.filter(next_attempt_at__lte=now))
     waiting = _capped(pending.filter(next_attempt_at__gt=now))
-    paused = [e for (e,) in queries.PAUSED_ENDPOINTS()]
+    paused = [e for (e,) in admit.PAUSED_ENDPOINTS()]
     held = _capped(pending.filter(endpoint_id__in=paused)) if paused else 0
     in_flight = Delivery.objects.filter(
         state__in=[DeliveryState.ENQUEUED, DeliveryState.LEASED]
     ).count()
-    (oldest,) = queries.OLDEST_DUE()
+    (oldest,) = reads.OLDEST_DUE()
     unpublished = Outbox.objects.filter(published_at__isnull=True)
     first = unpublished.order_by("id").values_list("created_at", flat=True).first()
     from .jobs.broker import get_broker

@@ -1,6 +1,5 @@
 """Reads: queries and explanations, no writes."""
 
-import ipaddress
 import logging
 import uuid
 from collections.abc import Iterable
@@ -11,15 +10,14 @@ from django.utils import timezone
 
 from deliveries.core.conf import settings
 
-from . import queries
-from .core.egress import USER_AGENT, EgressPolicy, IPNetwork
+from .core.egress import USER_AGENT, EgressPolicy, IPNetwork, match_allowances
 from .core.headers import DROPPED, NOT_STORED, PROTOCOL_HEADERS, REDACTED
 from .jobs.broker import DatabaseBroker, broker_class
 from .jobs.models import LoopRun, Outbox
 from .jobs.outbox import message_key
 from .models import Attempt, Delivery, DeliveryState, Endpoint, Outcome, Tenant
-from .queries import DELIVERY_KIND
 from .signing import protocol_headers
+from .statements import DELIVERY_KIND, reads
 
 logger = logging.getLogger("deliveries.selectors")
 
@@ -342,41 +340,15 @@ def attempt_request_headers(attempt: Attempt) -> dict[str, str]:
 def allowed_networks(
     targets: Iterable[tuple[uuid.UUID | None, uuid.UUID | None]],
 ) -> dict[tuple[uuid.UUID | None, uuid.UUID | None], tuple[IPNetwork, ...]]:
-    """The networks staff opened for each (tenant id, endpoint id or None) target: the
-    tenant's allowances for all its endpoints, plus the endpoint's own. Never another
-    tenant's: an endpoint allowance counts only when its tenant is the target's too.
-
-    One query for all the targets (a worker's batch): the targets' tenants' rows, by
-    the tenant index, matched to endpoints here (a tenant has a few rows at most). On
-    PostgreSQL the tenant ids travel as one array parameter (deliveries.core.sql): the ORM's
-    IN list of a 200-target batch cost 3.5 ms. Each tuple is sorted, so the same set is
-    the same tuple (``EgressSession`` keys its pools by it)."""
-    by_tenant: dict = {}
-    for target in set(targets):
-        by_tenant.setdefault(target[0], []).append(target)
-    if not by_tenant:
-        return {}
-    found: dict = {target: set() for group in by_tenant.values() for target in group}
-    tenant_ids = [t for t in by_tenant if t is not None]  # None: the operator's own
-    rows = queries.TENANT_ALLOWANCES([tenant_ids]) if tenant_ids else []
-    for tenant_id, endpoint_id, network in rows:
-        try:
-            parsed = ipaddress.ip_network(network.strip())
-        except ValueError:
-            # Only a row written past the model's validation; it opens nothing, and a
-            # worker's batch goes on without it.
-            logger.error(
-                "egress allowance is not a network",
-                extra={"action": "egress.bad_allowance", "tenant_id": str(tenant_id)},
-            )
-            continue
-        for target in by_tenant[tenant_id]:
-            if endpoint_id in (None, target[1]):
-                found[target].add(parsed)
-    return {
-        target: tuple(sorted(networks, key=lambda n: (n.version, n)))
-        for target, networks in found.items()
-    }
+    """The networks staff opened for each (tenant id, endpoint id or None) target
+    (``match_allowances`` says which count). One query for all the targets (a worker's
+    batch): the targets' tenants' rows, by the tenant index. On PostgreSQL the tenant ids
+    travel as one array parameter (deliveries.core.sql): the ORM's IN list of a
+    200-target batch cost 3.5 ms."""
+    targets = set(targets)
+    tenant_ids = list({t for t, _ in targets if t is not None})  # None: the operator's own
+    rows = reads.TENANT_ALLOWANCES([tenant_ids]) if tenant_ids else []
+    return match_allowances(targets, rows)
 
 
 def egress_policy_for(

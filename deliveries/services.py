@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from deliveries.core.conf import settings
 
-from . import catalogue, queries, state
+from . import catalogue, schemas, state
 from .core import encryption, tracing
 from .core.egress import validate_endpoint_url
 from .core.headers import validate_endpoint_headers
@@ -40,6 +40,7 @@ from .models import (
 )
 from .selectors import egress_policy_for
 from .signing import generate_secret
+from .statements import publish
 
 logger = logging.getLogger("deliveries.services")
 
@@ -74,7 +75,7 @@ def check_payload(*, event_type: str, payload_version: int, payload: Any) -> Non
     """The catalogue's verdict on a payload (deliveries.catalogue): ``reject`` raises
     PayloadInvalid naming the failing JSON path; ``warn`` logs and counts it (the path and
     the failing keyword, never the value) and lets it through."""
-    problem = catalogue.schema_problem(event_type, payload_version, payload)
+    problem = schemas.schema_problem(event_type, payload_version, payload)
     if problem is None:
         return
     EVENT_SCHEMA_MISMATCHES.labels(event_type, problem.mode).inc()
@@ -179,7 +180,7 @@ def publish_event(
         transaction.atomic(savepoint=idempotency_key is not None),
     ):
         event = Event(id=uuid7(), created_at=now, **fields)
-        queries.PUBLISH(
+        publish.PUBLISH(
             {
                 **fields,
                 "id": event.id,
@@ -218,7 +219,7 @@ def event_publish_idempotent(
     transaction-scoped advisory lock detects on PostgreSQL. Keys are per tenant.
     """
     with transaction.atomic():
-        if not queries.TAKE_IDEMPOTENCY_LOCK([str(tenant.id), idempotency_key])[0]:
+        if not publish.TAKE_IDEMPOTENCY_LOCK([str(tenant.id), idempotency_key])[0]:
             raise IdempotencyInProgress(
                 "A request with this Idempotency-Key is in progress; retry later."
             )
@@ -465,9 +466,9 @@ def active_secrets(
     """Signing secrets by endpoint, newest first, leaving out expired ones (and, logged,
     any that no configured key decrypts: deliveries.core.encryption.reveal_or_skip).
 
-    Workers ask for every batch they lease: one statement (queries.ACTIVE_SECRETS)."""
+    Workers ask for every batch they lease: one statement (publish.ACTIVE_SECRETS)."""
     found: dict[uuid.UUID, list[str]] = {}
-    for secret_id, endpoint_id, token, legacy in queries.ACTIVE_SECRETS([list(endpoint_ids), now]):
+    for secret_id, endpoint_id, token, legacy in publish.ACTIVE_SECRETS([list(endpoint_ids), now]):
         secret = encryption.reveal_or_skip(token, legacy, row=f"endpoint secret {secret_id}")
         if secret is not None:
             found.setdefault(endpoint_id, []).append(secret)

@@ -13,7 +13,7 @@ which serialise writers, so the guard still holds.
 
 Admission (``deliveries.admission``) chooses which due rows to admit and moves them
 through ``enqueue`` here; the statements themselves, PostgreSQL's and the ORM's, are
-named in ``deliveries.queries``.
+named in ``deliveries.statements``.
 
 No function here makes a network call: callers commit the claim, do their I/O, and come
 back with the result in a new short transaction.
@@ -31,11 +31,12 @@ from psycopg.types.json import Jsonb
 
 from deliveries.core.conf import settings
 
-from . import queries, signals
+from . import signals
 from .core.retry import RetryPolicy
 from .jobs import wakeup
 from .models import Delivery, DeliveryState, Endpoint, Outcome
 from .policy import Classification
+from .statements import admit, worker
 
 PENDING = DeliveryState.PENDING
 ENQUEUED = DeliveryState.ENQUEUED
@@ -54,7 +55,7 @@ def enqueue(ids: list[str], *, now: datetime) -> int:
     (deliveries.admission), each with its outbox row, in one statement that re-checks the
     state: a row that changed since the scan (cancelled, say) is skipped. Returns how
     many were enqueued."""
-    return queries.ENQUEUE({"ids": ids, "now": now})
+    return admit.ENQUEUE({"ids": ids, "now": now})
 
 
 # --- Scheduler: recovery sweeps --------------------------------------------------------
@@ -165,7 +166,7 @@ def lease(
     until = now + timedelta(seconds=lease_seconds)
     # No savepoint: the worker leases inside its take's transaction, all or nothing.
     with transaction.atomic(savepoint=False):
-        rows = queries.LEASE(
+        rows = worker.LEASE(
             {
                 "ids": [m[0] for m in messages],
                 "dispatches": [m[1] for m in messages],
@@ -298,7 +299,7 @@ def _finish_successes(
 ) -> set[uuid.UUID]:
     """``leased → succeeded`` for the successes whose lease is still held (returned), and
     their endpoints' failure clocks reset (_update_endpoint_health starts them); in the
-    same statement (queries.RECORD) every attempt row of ``results`` and the overview's
+    same statement (worker.RECORD) every attempt row of ``results`` and the overview's
     tallies of them. ``failure_held``: the failures whose lease was held."""
     params = {
         "now": now,
@@ -307,24 +308,24 @@ def _finish_successes(
         "statuses": [r.status_code for r in successes],
     }
     rows = [_attempt_row(r, failure_held) for r in results]
-    for i, column in enumerate(queries.ATTEMPT_COLUMNS):
+    for i, column in enumerate(worker.ATTEMPT_COLUMNS):
         params[column] = [row[i] for row in rows]
     # Slots under the ceilings freed: RECORD wakes the scheduler, which may admit more.
     params["freed"] = bool(failure_held)
-    return {row[0] for row in queries.RECORD(params) if row[0] is not None}
+    return {row[0] for row in worker.RECORD(params) if row[0] is not None}
 
 
 def _held(results: Sequence[AttemptResult]) -> set[uuid.UUID]:
     """The deliveries among ``results`` whose lease the recording worker still holds,
     locked until the transaction ends."""
-    return queries.held_leases(
+    return worker.held_leases(
         [r.leased.id for r in results], [r.leased.lease_token for r in results]
     )
 
 
 @dataclass(frozen=True)
 class _Failed:
-    """The transition one failed attempt makes (a row of queries.FAIL)."""
+    """The transition one failed attempt makes (a row of worker.FAIL)."""
 
     id: uuid.UUID
     token: uuid.UUID
@@ -379,7 +380,7 @@ def _finish_failures(failures, now, policy, summary) -> tuple[set, set, set]:
         signals.delivery_dead, Delivery, [f.id for f in rows if f.state == DEAD]
     )
     if rows:  # else every lease was lost: nothing to move
-        queries.FAIL(
+        worker.FAIL(
             {
                 "now": now,
                 "ids": [f.id for f in rows],
@@ -396,8 +397,8 @@ def _finish_failures(failures, now, policy, summary) -> tuple[set, set, set]:
 
 
 def _attempt_row(r: AttemptResult, held: set) -> tuple:
-    """An attempt row, in queries.ATTEMPT_COLUMNS' order; ``recorded`` if its lease is in
-    ``held`` (queries.RECORD adds the successes it moves)."""
+    """An attempt row, in worker.ATTEMPT_COLUMNS' order; ``recorded`` if its lease is in
+    ``held`` (worker.RECORD adds the successes it moves)."""
     return (
         r.leased.id,
         r.leased.endpoint_id,

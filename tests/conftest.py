@@ -72,7 +72,7 @@ def _fresh_source_cache():
 @pytest.fixture(autouse=True)
 def _fresh_schema_cache():
     # The same for the event catalogue's schemas (deliveries.catalogue).
-    from deliveries.catalogue import forget_schemas
+    from deliveries.schemas import forget_schemas
 
     forget_schemas()
 

@@ -38,11 +38,12 @@ from __future__ import annotations
 import contextvars
 import functools
 import ipaddress
+import logging
 import re
 import socket
 import ssl
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -60,6 +61,8 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 USER_AGENT = "trusty-webhooks/1"
+
+logger = logging.getLogger("deliveries.egress")
 
 # Cached answers were checked when they were resolved; a short TTL keeps a
 # rebinding attacker's window no wider than an ordinary DNS cache would.
@@ -271,6 +274,40 @@ class EgressPolicy:
         if reason:
             raise EgressError(ErrorKind.BLOCKED, f"address {literal} refused: {reason}")
         return parsed
+
+
+def match_allowances(
+    targets: Iterable[tuple[Any, Any]], rows: Iterable[tuple[Any, Any, str]]
+) -> dict[tuple[Any, Any], tuple[IPNetwork, ...]]:
+    """The networks opened for each (tenant id, endpoint id or None) target, out of
+    ``rows`` of egress allowances (tenant id, endpoint id or None, network): the tenant's
+    allowances for all its endpoints, plus the endpoint's own. Never another tenant's: an
+    endpoint allowance counts only when its tenant is the target's too. Each tuple is
+    sorted, so the same set is the same tuple (``EgressSession`` keys its pools by it)."""
+    by_tenant: dict = {}
+    for target in set(targets):
+        by_tenant.setdefault(target[0], []).append(target)
+    found: dict = {target: set() for group in by_tenant.values() for target in group}
+    for tenant_id, endpoint_id, network in rows:
+        if tenant_id not in by_tenant:
+            continue
+        try:
+            parsed = ipaddress.ip_network(network.strip())
+        except ValueError:
+            # Only a row written past the model's validation; it opens nothing, and a
+            # worker's batch goes on without it.
+            logger.error(
+                "egress allowance is not a network",
+                extra={"action": "egress.bad_allowance", "tenant_id": str(tenant_id)},
+            )
+            continue
+        for target in by_tenant[tenant_id]:
+            if endpoint_id in (None, target[1]):
+                found[target].add(parsed)
+    return {
+        target: tuple(sorted(networks, key=lambda n: (n.version, n)))
+        for target, networks in found.items()
+    }
 
 
 def validate_endpoint_url(url: str, policy: EgressPolicy | None = None) -> None:

@@ -18,7 +18,7 @@ from django.utils.html import format_html
 from ..core.confirm import Operation, Selection, confirm_operation
 from ..core.console import AuditedEdits, ConsoleAdmin
 from . import services
-from .background import JOB_TYPES
+from .background.registry import JOB_TYPES
 from .models import Job, JobRun, JobState, RecurringJob
 from .selectors import job_progress
 
@@ -307,6 +307,13 @@ class RecurringJobForm(forms.ModelForm):
         if self.instance.job_type and self.instance.job_type not in known:
             known.append(self.instance.job_type)  # shown, then refused by clean()
         self.fields["job_type"].choices = [(t, t) for t in known]
+
+    def clean_job_type(self) -> str:
+        job_type = self.cleaned_data["job_type"]
+        problem = services.job_type_problem(job_type)
+        if problem:
+            raise forms.ValidationError(problem)
+        return job_type
 
 
 @admin.register(RecurringJob)

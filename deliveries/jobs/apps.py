@@ -14,7 +14,8 @@ class JobsConfig(AppConfig):
         from deliveries.core.conf import settings
 
         from . import kinds
-        from .background import KIND, jobs_schedule
+        from .background.registry import KIND
+        from .background.sweeps import jobs_schedule
 
         # The host's background jobs: a kind whose schedule (run by run_scheduler)
         # returns expired leases and ends jobs past their deadline; run_jobs claims them.

@@ -18,7 +18,7 @@ from django.db.models import Count, Min, Q
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from .background import JOB_TYPES
+from .background.registry import JOB_TYPES
 from .models import Job, JobState
 
 JOB_RUNS = Counter(

@@ -5,6 +5,7 @@ host's background jobs (``Job``, ``JobRun``) are this app's own tables."""
 
 import uuid
 
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.db.models import Q
 
@@ -134,7 +135,8 @@ class Job(models.Model):
     """One of the host's background jobs (``deliveries.jobs.background``): the row is the
     queue entry itself. Committed, it is claimable by ``run_jobs``; the claim sets
     ``running`` and a lease in one statement, the worker records the outcome in another.
-    Only ``deliveries.jobs.job_queries`` changes ``state``, always by guarded UPDATE.
+    Only ``deliveries.jobs.background.state`` and its ``statements`` change ``state``,
+    always by guarded UPDATE.
 
     ``attempts`` counts the claims that ran (or may have run) the function; ``run_at`` is
     when the job is next due. The row keeps only the current state; every run is a
@@ -311,14 +313,9 @@ class RecurringJob(models.Model):
         return self.name
 
     def clean(self) -> None:
-        from django.core.exceptions import ValidationError
-
-        from .background import JOB_TYPES
-
-        errors = {}
+        # Whether the type is registered is the process's to say, not the row's:
+        # services.recurring_job_save asks the registry.
         if not isinstance(self.payload, dict):
-            errors["payload"] = "The payload is a JSON object: the job's keyword arguments."
-        if self.job_type not in JOB_TYPES:
-            errors["job_type"] = f"No job type {self.job_type!r} is registered (JOBS_MODULES)."
-        if errors:
-            raise ValidationError(errors)
+            raise ValidationError(
+                {"payload": "The payload is a JSON object: the job's keyword arguments."}
+            )

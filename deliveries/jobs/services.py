@@ -9,13 +9,14 @@ refuse rather than change anything unaudited."""
 
 from collections.abc import Callable, Iterable
 
-from django.core.exceptions import ImproperlyConfigured
+from django.core.exceptions import ImproperlyConfigured, ValidationError
 from django.db import transaction
 from django.utils import timezone
 
 from . import wakeup
+from .background.registry import JOB_TYPES
+from .background.state import cancel_jobs, replay_jobs
 from .cron import next_tick
-from .job_queries import cancel_jobs, replay_jobs
 from .models import RecurringJob
 
 AuditWriter = Callable[..., object]
@@ -76,10 +77,20 @@ def job_cancel(*, job_ids: Iterable, actor=None, via: str = "admin") -> int:
 SCHEDULE_FIELDS = ("cron", "time_zone", "enabled")
 
 
+def job_type_problem(job_type: str) -> str | None:
+    """Why ``job_type`` cannot be scheduled by this process, or None."""
+    if job_type not in JOB_TYPES:
+        return f"No job type {job_type!r} is registered (JOBS_MODULES)."
+    return None
+
+
 def recurring_job_save(*, recurring_job: RecurringJob, actor=None, changed=None) -> RecurringJob:
     """Validate and save a recurring job; audited. A new schedule (a new row, or its cron,
     zone or enabled changed: ``changed`` names the fields) starts at its next tick after
     now: ticks missed while it was off are not run."""
+    problem = job_type_problem(recurring_job.job_type)
+    if problem:
+        raise ValidationError({"job_type": problem})
     recurring_job.full_clean()
     new_schedule = recurring_job._state.adding or set(changed or ()) & set(SCHEDULE_FIELDS)
     if new_schedule or recurring_job.next_tick_at is None:

@@ -13,7 +13,7 @@ How a task maps onto a job: its type is the task's module path (``billing.tasks.
 its payload ``{"args": [...], "kwargs": {...}}``, its priority, queue and ``run_after``
 the job's ``priority``, ``queue`` and ``run_at``. ``run_jobs`` runs it: a worker that
 claims a type it has not registered imports the module first
-(``background.find_job_type``), and the ``@task`` there registers the type
+(``background.registry.find_job_type``), and the ``@task`` there registers the type
 (``JobsBackend.validate_task``). A ``TaskResult``'s id is the job's id, and
 ``get_result`` reads it back from the job's rows.
 """

@@ -10,7 +10,7 @@ from django.db.models import Count, Sum
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from deliveries import overview, queries, services, state
+from deliveries import overview, services, state
 from deliveries.core import charts
 from deliveries.core.retry import RetryPolicy
 from deliveries.models import (
@@ -23,6 +23,7 @@ from deliveries.models import (
 )
 from deliveries.policy import Classification
 from deliveries.scheduler import scheduler_tick
+from deliveries.statements import worker
 from tests.conftest import drain, in_thread
 from tests.receiver import always, fail_first
 
@@ -125,7 +126,7 @@ def test_workers_recording_at_once_lose_no_count_and_never_wait_on_a_tally(tenan
         from django.db import transaction
 
         with transaction.atomic():
-            queries.TALLY_ATTEMPTS(params)
+            worker.TALLY_ATTEMPTS(params)
             first_holds.set()
             assert release.wait(10)
 
@@ -134,7 +135,7 @@ def test_workers_recording_at_once_lose_no_count_and_never_wait_on_a_tally(tenan
 
         assert first_holds.wait(10)
         with transaction.atomic():
-            queries.TALLY_ATTEMPTS(params)  # would block here if it shared a row
+            worker.TALLY_ATTEMPTS(params)  # would block here if it shared a row
         release.set()
 
     threads = [in_thread(first, errors), in_thread(second, errors)]

@@ -111,7 +111,7 @@ def console_user(*codenames: str):
 
 
 def run_jobs():
-    from deliveries.jobs.runner import JobWorker
+    from deliveries.jobs.background.worker import JobWorker
 
     return JobWorker(queues=["default"], concurrency=2).run(until_idle=True)
 

@@ -7,18 +7,22 @@ from bench import statements
 
 
 def test_the_statements_are_found_by_name_in_their_modules():
-    from deliveries import queries
     from deliveries.jobs import queries as job_machinery
+    from deliveries.statements import worker
 
     names = statements.named_statements()
 
-    assert names[id(queries.LEASE)] == "deliveries.LEASE"
-    assert names[id(queries.SUCCEED)] == "deliveries.SUCCEED"
+    assert names[id(worker.LEASE)] == "deliveries.LEASE"
+    assert names[id(worker.SUCCEED)] == "deliveries.SUCCEED"
     assert names[id(job_machinery.LOCK_MESSAGES)] == "deliveries.jobs.LOCK_MESSAGES"
 
 
 def test_a_statement_module_that_is_gone_is_left_out(monkeypatch):
-    monkeypatch.setattr(statements, "STATEMENT_MODULES", ("deliveries.queries", "no.such"))
+    monkeypatch.setattr(
+        statements,
+        "STATEMENT_MODULES",
+        {"deliveries.statements.worker": "deliveries", "no.such": "gone"},
+    )
     assert "deliveries.LEASE" in statements.named_statements().values()
 
 
@@ -61,6 +65,7 @@ def test_savepoints_are_one_row_whatever_their_names():
 @pytest.mark.django_db(transaction=True)
 def test_a_run_counts_each_stage_statements_and_delivers_every_event():
     from bench import outbound
+    from deliveries.statements import admit
 
     tally = statements.Tally()
     restore = statements.instrument(tally)
@@ -85,8 +90,7 @@ def test_a_run_counts_each_stage_statements_and_delivers_every_event():
     assert calls[("jobs", "deliveries.jobs.CLAIM_JOBS")] >= 1
     assert calls[("jobs", "deliveries.jobs.RECORD_JOBS")] >= 1
     # Undone: a statement called now is not counted.
-    from deliveries import queries
 
     before = dict(calls)
-    queries.PAUSED_ENDPOINTS()
+    admit.PAUSED_ENDPOINTS()
     assert {key: len(times) for key, times in tally.calls.items()} == before

@@ -3,8 +3,8 @@ import signal
 
 from django.core.management.base import BaseCommand
 
+from deliveries.jobs.background.worker import JobWorker
 from deliveries.jobs.loop import StopFlag, recorded_run
-from deliveries.jobs.runner import JobWorker
 
 from ._loop import add_loop_arguments, settle_if_long_running
 

@@ -21,11 +21,11 @@ from deliveries.jobs.background import (
     UnknownJobType,
     current_job,
     enqueue,
-    jobs_schedule,
 )
+from deliveries.jobs.background.sweeps import jobs_schedule
+from deliveries.jobs.background.worker import JobWorker
 from deliveries.jobs.locks import entity_lock_acquire
 from deliveries.jobs.models import EntityLock, Job, JobRun, JobState
-from deliveries.jobs.runner import JobWorker
 from deliveries.scheduler import scheduler_tick
 from tests.conftest import subprocess_env
 from tests.deliveries.jobs import sample_jobs

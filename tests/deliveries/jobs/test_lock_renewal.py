@@ -9,10 +9,10 @@ import time
 import pytest
 from django.db import OperationalError, connection
 
-from deliveries.jobs import runner
 from deliveries.jobs.background import enqueue, job
+from deliveries.jobs.background import worker as runner
+from deliveries.jobs.background.worker import JobWorker
 from deliveries.jobs.models import EntityLock, Job, JobState
-from deliveries.jobs.runner import JobWorker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -8,8 +8,8 @@ import pytest
 from django.utils import timezone
 
 from deliveries.jobs.background import enqueue
+from deliveries.jobs.background.worker import JobWorker
 from deliveries.jobs.models import Job, JobState
-from deliveries.jobs.runner import JobWorker
 from tests.conftest import scrape, value
 from tests.deliveries.jobs import sample_jobs
 

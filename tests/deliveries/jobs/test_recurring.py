@@ -1,4 +1,4 @@
-"""Recurring jobs (deliveries.jobs.recurring): the scheduler's sweep as their one clock,
+"""Recurring jobs (deliveries.jobs.background.recurring): the scheduler's sweep as their one clock,
 each tick enqueued once whoever sweeps and however often, the cron read on the row's
 wall clock, and only the latest of the ticks missed while nobody swept."""
 
@@ -11,9 +11,9 @@ import pytest
 from django.core.exceptions import ValidationError
 
 from deliveries.jobs import services
-from deliveries.jobs.background import jobs_schedule
+from deliveries.jobs.background.recurring import recurring_schedule, tick_key
+from deliveries.jobs.background.sweeps import jobs_schedule
 from deliveries.jobs.models import Job, RecurringJob
-from deliveries.jobs.recurring import recurring_schedule, tick_key
 from deliveries.models import AuditEntry
 from tests.conftest import in_thread
 from tests.deliveries.jobs import sample_jobs  # noqa: F401  (registers the test types)

@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from deliveries.jobs import services
 from deliveries.jobs.background import enqueue
-from deliveries.jobs.job_queries import CANCELLED_REASON
+from deliveries.jobs.background.state import CANCELLED_REASON
 from deliveries.jobs.models import Job, JobState
 from deliveries.models import AuditEntry
 from tests.deliveries.jobs import sample_jobs  # noqa: F401  (registers the test types)

@@ -25,8 +25,8 @@ from deliveries.jobs.background import (
     LeaseExpired,
     enqueue,
     job,
-    jobs_schedule,
 )
+from deliveries.jobs.background.sweeps import jobs_schedule
 from deliveries.jobs.models import Job, JobRun, JobState, RecurringJob
 from deliveries.jobs.services import recurring_job_save
 from deliveries.jobs.tasks import InvalidTask, InvalidTaskBackend, JobsBackend, ResultRefused

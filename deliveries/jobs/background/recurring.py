@@ -19,9 +19,10 @@ from datetime import UTC, datetime
 
 from django.db import transaction
 
-from .background import JOB_TYPES, enqueue
-from .cron import latest_tick, next_tick
-from .models import RecurringJob
+from ..cron import latest_tick, next_tick
+from ..models import RecurringJob
+from .enqueue import enqueue
+from .registry import JOB_TYPES
 
 logger = logging.getLogger("deliveries.jobs")
 

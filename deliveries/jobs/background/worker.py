@@ -31,33 +31,15 @@ from django.utils import timezone
 from deliveries.core.conf import settings
 from deliveries.core.text import mask_secrets
 
-from . import wakeup
-from .background import (
-    JOB_TYPES,
-    Fail,
-    JobType,
-    Retry,
-    RunningJob,
-    Unreadable,
-    call_async,
-    call_sync,
-    find_job_type,
-    lock_retry_at,
-)
-from .job_queries import (
-    CLAIM_JOBS,
-    DEAD,
-    DONE,
-    PENDING,
-    RECORD_DEFAULTS,
-    RECORD_JOBS,
-    RENEW_JOBS,
-    record_params,
-)
-from .locks import entity_lock_acquire, entity_lock_release
-from .loop import DB_ERRORS, Backoff, StopFlag, reset_connection, with_db_retry
-from .metrics import count_runs
-from .models import JobOutcome
+from .. import wakeup
+from ..locks import entity_lock_acquire, entity_lock_release
+from ..loop import DB_ERRORS, Backoff, StopFlag, reset_connection, with_db_retry
+from ..metrics import count_runs
+from ..models import JobOutcome
+from .registry import JOB_TYPES, Fail, JobType, Retry, Unreadable, find_job_type
+from .running import RunningJob, call_async, call_sync
+from .state import DEAD, DONE, PENDING
+from .statements import CLAIM_JOBS, RECORD_DEFAULTS, RECORD_JOBS, RENEW_JOBS, record_params
 
 logger = logging.getLogger("deliveries.jobs")
 
@@ -632,7 +614,7 @@ class JobWorker:
         """(state, run_at, dead reason, attempts given back) after a result."""
         job, spec = r.entry.job, r.entry.spec
         if r.outcome == "":
-            return PENDING, lock_retry_at(now), "", 1
+            return PENDING, now + timedelta(seconds=settings.JOBS_LOCK_RETRY), "", 1
         if r.outcome == JobOutcome.RELEASED:
             return PENDING, now, "", 1
         if r.outcome == JobOutcome.DONE:

@@ -1,43 +1,18 @@
-"""The host's own background jobs, on the job machinery: a function registered with
-``@job`` and enqueued with ``enqueue`` gets what a webhook delivery gets, a durable row
-written in the caller's transaction, one identity on every run, retries by the shared
-policy, leases that a dead worker's jobs come back from, entity locks, and a dead state
-that is recorded and alerted, never a silent drop.
+"""The job types a process knows: ``@job`` registers a function under a type name with
+how it runs (queue, priority, attempts, timeout, retry policy, entity lock, payload
+version and readers); the exceptions a job raises to say how it ended."""
 
-    from deliveries.jobs.background import job, enqueue, Retry, Fail, current_job
-
-    @job("billing.sync_invoice", lock=lambda invoice_id, **_: f"invoice:{invoice_id}")
-    def sync_invoice(invoice_id):
-        billing_api.push(invoice_id, idempotency_key=str(current_job().id))
-
-    enqueue("billing.sync_invoice", {"invoice_id": 42})
-
-``run_jobs`` claims and runs them (``deliveries.jobs.runner``); the ``job`` kind's
-schedule, run by ``run_scheduler``, returns expired leases and ends jobs past their
-deadline (``jobs_schedule``). Guide: docs/jobs.md.
-"""
-
-import contextvars
 import inspect
 import json
 import math
-from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
 from importlib import import_module
-from typing import TYPE_CHECKING
 
 from django.core.serializers.json import DjangoJSONEncoder
-from django.utils import timezone
 
 from deliveries.core.conf import settings
-
-from ..core.ids import uuid7
-from . import wakeup
-
-if TYPE_CHECKING:
-    from deliveries.core.retry import RetryPolicy
+from deliveries.core.retry import RetryPolicy
 
 KIND = "job"
 
@@ -256,157 +231,3 @@ def find_job_type(name: str) -> JobType:
     if spec is None:
         raise Unreadable(f"unknown job type {name!r}")
     return spec
-
-
-def enqueue(
-    type: str,
-    payload: Mapping | None = None,
-    *,
-    run_at: datetime | None = None,
-    deadline: datetime | None = None,
-    idempotency_key: str | None = None,
-    tenant=None,
-    priority: int | None = None,
-    queue: str | None = None,
-):
-    """Write one job in the caller's transaction and wake the workers at its commit;
-    returns the ``Job`` row. A rollback leaves nothing; a commit makes it claimable
-    however the process ends afterwards. With ``idempotency_key`` a second enqueue of the
-    same type and key writes nothing and returns the first job (the constraint
-    ``job_idempotency`` decides, also between concurrent callers). ``tenant``: a tenant
-    (anything with a UUID ``id``) or its id, for the per-tenant fairness of the claim.
-
-    The payload is stored as JSON with Django's encoder, and the function gets it back
-    from there: a ``Decimal``, ``datetime`` or ``UUID`` arrives as its string, on the
-    first run as on a retry."""
-    return enqueue_job(
-        type,
-        payload,
-        run_at=run_at,
-        deadline=deadline,
-        idempotency_key=idempotency_key,
-        tenant=tenant,
-        priority=priority,
-        queue=queue,
-    )[0]
-
-
-def enqueue_job(
-    type: str,
-    payload: Mapping | None = None,
-    *,
-    run_at: datetime | None = None,
-    deadline: datetime | None = None,
-    idempotency_key: str | None = None,
-    tenant=None,
-    priority: int | None = None,
-    queue: str | None = None,
-):
-    """``enqueue``, returning (the ``Job`` row, whether this call wrote it)."""
-    from .job_queries import job_insert
-
-    spec = job_type(type)
-    payload = as_json(dict(payload or {}))
-    now = timezone.now()
-    lock_key = spec.lock(**payload) if spec.lock is not None else ""
-    fields = {
-        "id": uuid7(),
-        "type": type,
-        "queue": queue or spec.queue,
-        "priority": spec.priority if priority is None else priority,
-        "tenant_id": getattr(tenant, "id", tenant),
-        "payload": payload,
-        "version": spec.version,
-        "idempotency_key": idempotency_key,
-        "run_at": run_at or now,
-        "deadline": deadline,
-        "max_attempts": spec.max_attempts,
-        "lock_key": str(lock_key or "")[:300],
-        "created_at": now,
-    }
-    row, created = job_insert(fields)
-    if created:
-        wakeup.notify(wakeup.JOBS)
-    return row, created
-
-
-# --- The running job -------------------------------------------------------------------
-
-
-@dataclass
-class RunningJob:
-    """What ``current_job()`` gives a running job: its ``id`` (the same on every run: the
-    idempotency key to give third parties), ``attempt`` (1 on the first run) and
-    ``progress(done, total)``, which the worker writes to the row within a second or so
-    and at the end of the run."""
-
-    id: object
-    type: str
-    attempt: int
-    tenant_id: object = None
-    # The run_jobs process running it (its LoopRun id), when it has one.
-    run_id: object = None
-    done: int | None = None
-    total: int | None = None
-    # Set by progress(); the worker writes it with the next lease renewal.
-    reported: bool = False
-
-    def progress(self, done: int, total: int | None = None) -> None:
-        self.done, self.total, self.reported = int(done), total, True
-
-
-_current: contextvars.ContextVar[RunningJob | None] = contextvars.ContextVar(
-    "deliveries_current_job", default=None
-)
-
-
-def current_job() -> RunningJob:
-    """The job this code runs in; raises ``LookupError`` outside a job."""
-    running = _current.get()
-    if running is None:
-        raise LookupError("current_job() is only available inside a running job")
-    return running
-
-
-def call_sync(spec: JobType, running: RunningJob, payload: dict):
-    """Run a plain job function with ``current_job()`` set (in a worker thread)."""
-    token = _current.set(running)
-    try:
-        return spec.fn(**payload)
-    finally:
-        _current.reset(token)
-
-
-async def call_async(spec: JobType, running: RunningJob, payload: dict):
-    """Run a coroutine job on the worker's loop with ``current_job()`` set. Its timeout
-    is the worker's to enforce: it cancels the task there, as ``asyncio.timeout`` would,
-    with one timer for the coroutines a claim started (``runner.Deadline``)."""
-    _current.set(running)  # this task's own context
-    return await spec.fn(**payload)
-
-
-# --- The "job" kind's schedule (run by run_scheduler) -----------------------------------
-
-
-def jobs_schedule(now: datetime, page_size: int) -> tuple[Counter, bool]:
-    """Return expired leases to pending (dead when their attempts are spent), end
-    pending jobs past their deadline dead with the reason "deadline passed", and enqueue
-    the recurring jobs' due ticks (``recurring``). Returns the counts and whether a full
-    page suggests more."""
-    from .job_queries import expire_deadlines, expire_leases
-
-    counts = Counter()
-    counts["lease_expired"], counts["lease_expired_dead"] = expire_leases(now, page_size)
-    counts["deadline_passed"] = expire_deadlines(now, page_size)
-    from .recurring import recurring_schedule  # the recurring jobs' one clock
-
-    counts["recurring_enqueued"], recurring_more = recurring_schedule(now, page_size)
-    more = counts["lease_expired"] + counts["lease_expired_dead"] >= page_size
-    more = more or counts["deadline_passed"] >= page_size or recurring_more
-    if counts["lease_expired"]:
-        wakeup.notify(wakeup.JOBS)
-    return counts, more
-
-
-def lock_retry_at(now: datetime) -> datetime:
-    return now + timedelta(seconds=settings.JOBS_LOCK_RETRY)
