@@ -115,7 +115,8 @@ def run_relay(page: int) -> None:
     import psycopg
     from django.conf import settings
 
-    from deliveries.jobs import broker, queries
+    from deliveries.jobs import brokers as broker
+    from deliveries.jobs import queries
 
     queue = settings.QUEUE_NAME
     with psycopg.connect(connect_url(), autocommit=True) as conn:
@@ -147,7 +148,8 @@ def take_steps(queue: str, batch: int):
     """Take a batch and lease it in one transaction, claiming the outbox rows, as the
     service's worker does with the database broker: (leased, token), or None when
     there is nothing to take."""
-    from deliveries.jobs import broker, queries
+    from deliveries.jobs import brokers as broker
+    from deliveries.jobs import queries
     from deliveries.statements.worker import LEASE
 
     t = now()

@@ -101,7 +101,7 @@ SERVICE_CONCURRENCY = 256
 # The Redis broker's row: django-q2's Redis broker on the peers' Redis database (7,
 # flushed before each run), the relay publishing to it.
 REDIS_BROKER_ENV = {
-    "QUEUE_BROKER_CLASS": "django_q.brokers.redis_broker.Redis",
+    "QUEUE_BROKER_CLASS": "deliveries.jobs.brokers.redis.RedisBroker",
     "REDIS_URL": PEERS_REDIS_URL,
 }
 SERVICE_REDIS = "service, Redis broker"
@@ -1048,7 +1048,7 @@ RESET_SQL = [
 
 
 def scenario_growth(ctx: dict) -> dict:
-    from deliveries.jobs import broker
+    from deliveries.jobs import brokers as broker
     from deliveries.models import Tenant
     from deliveries.scheduler import scheduler_tick
     from deliveries.services import endpoint_create

@@ -38,7 +38,7 @@ from .core.console import (
 )
 from .jobs.admin import TenantFilter
 from .jobs.admin import uuid_or_none as _uuid
-from .jobs.broker import DatabaseBroker, broker_class
+from .jobs.brokers import broker_class, takes_outbox
 from .jobs.models import LoopRun
 from .models import (
     ApiKey,
@@ -826,7 +826,7 @@ def required_loops() -> tuple[str, ...]:
     """The loops the outbound pipeline needs; the others (poll, jobs) run where they are
     used. The relay only with a broker outside the database: the database broker's
     workers take the outbox themselves."""
-    if issubclass(broker_class(), DatabaseBroker):
+    if takes_outbox(broker_class()):
         return ("scheduler", "workers")
     return ("scheduler", "relay", "workers")
 

@@ -86,7 +86,7 @@ def check_delivery_settings(app_configs, **kwargs):
     for name in ("WORKER_LANES", "WORKER_BATCH_SIZE", "WORKER_CONCURRENCY"):
         if getattr(settings, name) < 1:
             errors.append(Error(f"{name} must be at least 1.", id="deliveries.E021"))
-    from .jobs.broker import QUEUES_SHARED, broker_class, shares_tasks_queue
+    from .jobs.brokers import QUEUES_SHARED, broker_class, shares_tasks_queue
 
     if shares_tasks_queue():
         errors.append(Error(QUEUES_SHARED, id="deliveries.E007"))
@@ -98,7 +98,7 @@ def check_delivery_settings(app_configs, **kwargs):
         errors.append(
             Error(
                 f"QUEUE_BROKER_CLASS {settings.QUEUE_BROKER_CLASS!r} cannot be imported.",
-                hint="The database broker is 'deliveries.jobs.broker.DatabaseBroker'.",
+                hint="The database broker is 'deliveries.jobs.brokers.database.DatabaseBroker'.",
                 id="deliveries.E006",
             )
         )

@@ -22,7 +22,7 @@ def readyz(request):
     except DatabaseError:
         checks["database"] = "unavailable"
     try:
-        from deliveries.jobs.broker import get_broker
+        from deliveries.jobs.brokers import get_broker
 
         checks["broker"] = "ok" if get_broker().ping() else "unavailable"
     except Exception:

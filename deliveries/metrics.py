@@ -89,7 +89,7 @@ def delivery_gauges(now: float) -> Iterable[Metric]:
         value=unpublished.count(),
     )
 
-    from .jobs.broker import get_broker
+    from .jobs.brokers import get_broker
 
     b = get_broker()
     depth = GaugeMetricFamily(

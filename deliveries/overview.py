@@ -264,7 +264,7 @@ def queue(now: datetime) -> Queue:
     (oldest,) = reads.OLDEST_DUE()
     unpublished = Outbox.objects.filter(published_at__isnull=True)
     first = unpublished.order_by("id").values_list("created_at", flat=True).first()
-    from .jobs.broker import get_broker
+    from .jobs.brokers import get_broker
 
     try:
         depth = get_broker().queue_size()

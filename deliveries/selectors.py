@@ -12,7 +12,7 @@ from deliveries.core.conf import settings
 
 from .core.egress import USER_AGENT, EgressPolicy, IPNetwork, match_allowances
 from .core.headers import DROPPED, NOT_STORED, PROTOCOL_HEADERS, REDACTED
-from .jobs.broker import DatabaseBroker, broker_class
+from .jobs.brokers import broker_class, takes_outbox
 from .jobs.models import LoopRun, Outbox
 from .jobs.outbox import message_key
 from .models import Attempt, Delivery, DeliveryState, Endpoint, Outcome, Tenant
@@ -237,7 +237,7 @@ def delivery_explain(delivery: Delivery, *, now: datetime | None = None) -> Expl
         if outbox and outbox.published_at is None:
             # With the database broker the workers take the outbox row themselves (a
             # relay still run beside them may take it first); else only the relay does.
-            direct = issubclass(broker_class(), DatabaseBroker)
+            direct = takes_outbox(broker_class())
             alive = _loop_alive("relay", now) or (direct and _loop_alive("workers", now))
             taker, command = ("a worker", "run_workers") if direct else ("the relay", "run_relay")
             return Explanation(

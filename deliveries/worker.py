@@ -61,7 +61,8 @@ from .core import tracing
 from .core.egress import EgressError, EgressSession
 from .core.headers import DROPPED, REDACTED, sendable_headers
 from .core.retry import RetryPolicy, parse_retry_after
-from .jobs import broker, kinds, wakeup
+from .jobs import brokers as broker
+from .jobs import kinds, wakeup
 from .jobs.faults import crash_point
 from .jobs.loop import DB_ERRORS, Backoff, reset_connection
 from .metrics import ENDPOINT_LABELS
@@ -129,7 +130,7 @@ def _take(queue, batch_size: int, lease_seconds: float) -> Taken:
     leaves the outbox rows and messages as they were. With another broker the batch is
     received first and the deliveries leased after."""
     close_old_connections()
-    if isinstance(queue, broker.DatabaseBroker):
+    if broker.takes_outbox(queue):
         with transaction.atomic():
             direct, received = queue.take(batch_size, kinds=_processed_kinds())
             messages, others = _sort(received)
@@ -680,7 +681,7 @@ class Worker:
         wakes idle lanes (deliveries.jobs.wakeup); they still poll every LISTEN_POLL
         seconds for redeliveries, which nobody announces. Returns the event that stops
         the thread, and the thread."""
-        if not (isinstance(self.queue, broker.DatabaseBroker) and wakeup.available()):
+        if not (broker.takes_outbox(self.queue) and wakeup.available()):
             return None
         loop = asyncio.get_running_loop()
         stopped = threading.Event()

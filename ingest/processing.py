@@ -29,7 +29,7 @@ from django.utils import timezone
 
 from deliveries.core.prometheus import INBOUND_HANDLER_DURATION, INBOUND_PROCESSED
 from deliveries.core.retry import RetryPolicy
-from deliveries.jobs.broker import Message
+from deliveries.jobs.brokers import Message
 from deliveries.jobs.locks import entity_lock_acquire, entity_lock_release, entity_locks_acquire
 from ingest.conf import settings
 

@@ -110,7 +110,7 @@ DEFAULTS: dict[str, object] = {
     "LOOP_HEARTBEAT_SECONDS": 10.0,
     # The pipeline's transport (relay to workers): a django-q2 broker class, its queue,
     # and the seconds before an unacknowledged message is handed out again.
-    "QUEUE_BROKER_CLASS": "deliveries.jobs.broker.DatabaseBroker",
+    "QUEUE_BROKER_CLASS": "deliveries.jobs.brokers.database.DatabaseBroker",
     "QUEUE_NAME": "webhooks",
     "QUEUE_VISIBILITY_TIMEOUT": 90,
     # Tests and the soak only: the crash point (deliveries/jobs/faults.py) and its count.

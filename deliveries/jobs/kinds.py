@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from .broker import Message
+from .brokers import Message
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ class Outbox(models.Model):
 
 
 class QueueMessage(models.Model):
-    """The database broker's queue (``deliveries.jobs.broker.DatabaseBroker``).
+    """The database broker's queue (``deliveries.jobs.brokers.database.DatabaseBroker``).
 
     A message is visible when ``visible_at <= now``. A take locks visible messages and,
     in the same transaction, deletes those it spent (a worker's delivery messages, spent

@@ -14,7 +14,8 @@ from django.utils import timezone
 from deliveries.core import tracing
 from deliveries.core.conf import settings
 
-from . import broker, kinds
+from . import brokers as broker
+from . import kinds
 from .faults import crash_point
 from .loop import Tick
 from .models import Outbox
@@ -38,7 +39,7 @@ def relay_tick(*, page_size: int | None = None, b=None) -> Tick:
     b = b or broker.get_broker()
     now = timezone.now()
     tick = Tick()
-    if isinstance(b, broker.DatabaseBroker):
+    if broker.takes_outbox(b):
         with transaction.atomic():
             rows = _page(PUBLISH_OUTBOX_PAGE, now, page_size, now)
             if rows:

@@ -12,14 +12,15 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 from django_q.brokers import get_broker
-from django_q.brokers.redis_broker import Redis
 from django_q.conf import Conf
 from django_q.signing import SignedPackage
 from django_q.tasks import async_task
 
 from deliveries import services, state
-from deliveries.jobs import broker
-from deliveries.jobs.broker import DatabaseBroker, Message
+from deliveries.jobs import brokers as broker
+from deliveries.jobs.brokers import Message
+from deliveries.jobs.brokers.database import DatabaseBroker
+from deliveries.jobs.brokers.redis import RedisBroker as Redis
 from deliveries.jobs.models import QueueMessage
 from deliveries.jobs.relay import relay_tick
 from deliveries.models import Delivery
@@ -324,9 +325,9 @@ def both_brokers(request, monkeypatch, settings):
     """The pipeline's broker and django-q2's (what a qcluster reads), on the database
     broker and on django-q2's Redis broker: the configured class, as both sides get it."""
     if request.param == "redis":
-        monkeypatch.setattr(Conf, "BROKER_CLASS", f"{Redis.__module__}.Redis")
+        monkeypatch.setattr(Conf, "BROKER_CLASS", "django_q.brokers.redis_broker.Redis")
         monkeypatch.setattr(Conf, "REDIS", REDIS_TESTS_URL)
-        settings.QUEUE_BROKER_CLASS = f"{Redis.__module__}.Redis"
+        settings.QUEUE_BROKER_CLASS = "deliveries.jobs.brokers.redis.RedisBroker"
     pipeline, tasks = broker.get_broker(), get_broker()
     yield pipeline, tasks
     pipeline.purge_queue()

@@ -46,7 +46,7 @@ def test_one_queue_name_for_the_pipeline_and_django_q2_is_refused(settings):
     from django.core.exceptions import ImproperlyConfigured
 
     from deliveries.checks import check_delivery_settings
-    from deliveries.jobs.broker import get_broker
+    from deliveries.jobs.brokers import get_broker
 
     assert "deliveries.E007" not in [e.id for e in check_delivery_settings(None)]
     settings.QUEUE_NAME = settings.Q_CLUSTER["name"]
@@ -123,12 +123,13 @@ def test_a_broker_class_that_cannot_be_imported_is_refused_naming_the_database_b
     settings.QUEUE_BROKER_CLASS = "deliveries.brokers.DatabaseBroker"  # no such module
     [error] = [e for e in check_delivery_settings(None) if e.id == "deliveries.E006"]
     assert "deliveries.brokers.DatabaseBroker" in error.msg
-    assert "deliveries.jobs.broker.DatabaseBroker" in error.hint
+    assert "deliveries.jobs.brokers.database.DatabaseBroker" in error.hint
 
 
 def test_the_database_brokers_old_path_keeps_naming_it(settings):
     from deliveries.checks import check_delivery_settings
-    from deliveries.jobs.broker import DatabaseBroker, broker_class
+    from deliveries.jobs.brokers import broker_class
+    from deliveries.jobs.brokers.database import DatabaseBroker
 
     settings.QUEUE_BROKER_CLASS = "deliveries.broker.DatabaseBroker"  # before deliveries.jobs
     assert broker_class() is DatabaseBroker

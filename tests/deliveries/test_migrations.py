@@ -136,7 +136,8 @@ tasks_queue = importlib.import_module("deliveries.migrations.0021_looprun_poll_a
 def test_0021_moves_django_q2_tasks_out_of_the_pipelines_queue_and_keeps_its_messages(settings):
     from django_q.signing import SignedPackage
 
-    from deliveries.jobs.broker import DatabaseBroker, Message
+    from deliveries.jobs.brokers import Message
+    from deliveries.jobs.brokers.database import DatabaseBroker
     from deliveries.jobs.models import QueueMessage
 
     pipeline = DatabaseBroker(list_key=settings.QUEUE_NAME)

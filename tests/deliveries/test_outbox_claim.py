@@ -11,7 +11,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from deliveries import services
-from deliveries.jobs import broker
+from deliveries.jobs.brokers.database import DatabaseBroker
 from deliveries.jobs.loop import start_run
 from deliveries.jobs.models import Outbox, QueueMessage
 from deliveries.jobs.outbox import outbox_write
@@ -153,7 +153,7 @@ def _outbox_rows(*rows: tuple[str, int]) -> dict:
 def test_the_take_claims_by_priority_then_age_only_the_kinds_it_is_asked_for():
     rows = _outbox_rows(("delivery", 0), ("delivery", 5), ("inbound", 0), ("other", 9))
     ids = list(rows)
-    b = broker.DatabaseBroker(list_key="pipeline")
+    b = DatabaseBroker(list_key="pipeline")
 
     with transaction.atomic():
         taken, queued = b.take(2, kinds=["delivery", "inbound"])
@@ -175,7 +175,7 @@ def test_the_take_claims_by_priority_then_age_only_the_kinds_it_is_asked_for():
 
 def test_a_take_that_rolls_back_leaves_the_rows_unclaimed():
     (job_id,) = _outbox_rows(("delivery", 0))
-    b = broker.DatabaseBroker(list_key="pipeline")
+    b = DatabaseBroker(list_key="pipeline")
 
     with pytest.raises(RuntimeError, match="inside a transaction"):
         b.take(1, kinds=["delivery"])
@@ -194,7 +194,7 @@ def test_a_take_that_rolls_back_leaves_the_rows_unclaimed():
 def test_a_row_a_relay_holds_a_claim_on_is_not_taken_until_the_claim_runs_out():
     (job_id,) = _outbox_rows(("delivery", 0))
     Outbox.objects.update(claimed_until=timezone.now() + timezone.timedelta(seconds=30))
-    b = broker.DatabaseBroker(list_key="pipeline")
+    b = DatabaseBroker(list_key="pipeline")
 
     with transaction.atomic():
         assert b.take(1, kinds=["delivery"]) == ([], [])

@@ -11,7 +11,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from deliveries import services
 from deliveries.core import tracing
-from deliveries.jobs.broker import Message
+from deliveries.jobs.brokers import Message
 from deliveries.jobs.models import QueueMessage
 from deliveries.jobs.relay import relay_tick
 from deliveries.models import Delivery, Event

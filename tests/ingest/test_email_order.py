@@ -15,7 +15,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from deliveries.core.sql import Statement
-from deliveries.jobs.broker import Message
+from deliveries.jobs.brokers import Message
 from deliveries.jobs.relay import relay_tick
 from deliveries.scheduler import scheduler_tick
 from ingest import handlers, processing, schemes

@@ -749,7 +749,7 @@ def test_a_worker_that_dies_between_its_take_and_the_lease_leaves_the_event_late
     """The database broker's take spends an inbound event's message before the job
     leases the event: a worker that dies in between leaves the event enqueued with no
     message, and the lost-dispatch sweep dispatches it again."""
-    from deliveries.jobs import broker
+    from deliveries.jobs import brokers as broker
     from deliveries.jobs.models import QueueMessage
     from deliveries.scheduler import scheduler_tick
     from deliveries.worker import _take

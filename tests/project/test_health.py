@@ -19,13 +19,13 @@ def test_readyz_checks_database_migrations_and_broker():
 def test_readyz_is_503_when_the_broker_is_unreachable(settings, monkeypatch):
     from django_q.brokers.redis_broker import Redis
 
-    import deliveries.jobs.broker
+    import deliveries.jobs.brokers
 
     unreachable = Redis.__new__(Redis)
     import redis
 
     unreachable.connection = redis.Redis.from_url("redis://127.0.0.1:1/0")
-    monkeypatch.setattr(deliveries.jobs.broker, "get_broker", lambda: unreachable)
+    monkeypatch.setattr(deliveries.jobs.brokers, "get_broker", lambda: unreachable)
     r = Client().get("/readyz")
     assert r.status_code == 503
     assert r.json()["checks"]["broker"] == "unavailable"

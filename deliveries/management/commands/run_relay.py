@@ -3,7 +3,8 @@ import logging
 from django.core.management.base import BaseCommand
 
 from deliveries.core.conf import settings
-from deliveries.jobs import broker, wakeup
+from deliveries.jobs import brokers as broker
+from deliveries.jobs import wakeup
 from deliveries.jobs.loop import StopFlag, run_loop
 from deliveries.jobs.relay import relay_tick
 
@@ -26,7 +27,7 @@ class Command(BaseCommand):
         stop = StopFlag()
         stop.install()
         b = broker.get_broker()
-        if isinstance(b, broker.DatabaseBroker):
+        if broker.takes_outbox(b):
             # It keeps working: the rows it publishes go through the queue table, which
             # the workers' take also reads, one hop longer than their own claim.
             logger.warning(
