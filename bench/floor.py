@@ -6,7 +6,7 @@ question the throughput target raises: how fast could *any* implementation of th
 design go on this machine, given the writes it makes per delivery?
 
 Each role runs the service's statements verbatim (imported from ``deliveries``: the
-``queries.`` names are the job machinery's, ``deliveries.jobs.queries``, the others the
+``queries.`` names are the job machinery's, ``deliveries.jobs.statements``, the others the
 outbound product's, ``deliveries.statements``), on the service's tables and indexes, and
 nothing else:
 
@@ -116,7 +116,7 @@ def run_relay(page: int) -> None:
     from django.conf import settings
 
     from deliveries.jobs import brokers as broker
-    from deliveries.jobs import queries
+    from deliveries.jobs import statements as queries
 
     queue = settings.QUEUE_NAME
     with psycopg.connect(connect_url(), autocommit=True) as conn:
@@ -149,7 +149,7 @@ def take_steps(queue: str, batch: int):
     service's worker does with the database broker: (leased, token), or None when
     there is nothing to take."""
     from deliveries.jobs import brokers as broker
-    from deliveries.jobs import queries
+    from deliveries.jobs import statements as queries
     from deliveries.statements.worker import LEASE
 
     t = now()

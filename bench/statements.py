@@ -54,9 +54,9 @@ STATEMENT_MODULES = {
     "deliveries.statements.worker": "deliveries",
     "deliveries.statements.publish": "deliveries",
     "deliveries.statements.reads": "deliveries",
-    "deliveries.jobs.queries": "deliveries.jobs",
+    "deliveries.jobs.statements": "deliveries.jobs",
     "deliveries.jobs.background.statements": "deliveries.jobs",
-    "ingest.queries": "ingest",
+    "ingest.statements": "ingest",
 }
 DELIVERY_STAGES = ("publish", "scheduler", "relay", "worker")
 JOB_STAGES = ("enqueue", "jobs")

@@ -27,6 +27,7 @@ class DeliveriesConfig(AppConfig):
     def ready(self) -> None:
         from django.db.models.signals import post_delete, post_save
 
+        from deliveries.core.audit import register_audit
         from deliveries.core.prometheus import register_provider
 
         from . import (
@@ -54,7 +55,7 @@ class DeliveriesConfig(AppConfig):
         # The background jobs' gauges, and the audit rows and tenant names their admin
         # needs: the machinery imports no product module, so the product hands them over.
         register_provider("jobs", job_gauges)
-        job_services.register_audit(services.audit)
+        register_audit(services.audit)
         job_services.register_tenant_choices(tenant_choices)
         # Deliveries are a job kind whose admission and sending the scheduler and the
         # workers' lanes own; the relay reads their trace contexts through the kind.

@@ -16,7 +16,7 @@ from deliveries.core.console import (
     state_badge,
 )
 
-from . import mail, processing
+from . import mail, state
 from .backfill import (
     BackfillError,
     backfill_options_check,
@@ -126,7 +126,7 @@ class InboundEventAdmin(ReadOnlyAdmin):
 
     @admin.action(description="Process again (audited)", permissions=["change"])
     def reprocess(self, request, queryset):
-        n = processing.inbound_reprocess(
+        n = state.inbound_reprocess(
             event_ids=list(queryset.values_list("id", flat=True)), actor=request.user
         )
         self.message_user(request, f"{n} events queued for processing again.", messages.SUCCESS)
@@ -189,7 +189,7 @@ class InboundEmailAdmin(ReadOnlyAdmin):
 
     @admin.action(description="Process again (audited)", permissions=["reprocess"])
     def reprocess(self, request, queryset):
-        n = processing.inbound_reprocess(
+        n = state.inbound_reprocess(
             event_ids=list(queryset.values_list("event_id", flat=True)),
             actor=request.user,
             action="inbound_email.reprocess",

@@ -28,11 +28,12 @@ class IngestConfig(AppConfig):
         from .alerts import verification_failure_check
         from .metrics import inbound_gauges, polling_gauges
         from .models import Source, SourceSecret
-        from .processing import inbound_process, inbound_schedule
-        from .queries import KIND
         from .retention import inbound_pruner
         from .selectors import inbound_overview
         from .sources import check_trusted_proxies, forget_sources
+        from .state import inbound_schedule
+        from .statements import KIND
+        from .worker import inbound_process
 
         register(on_readable_settings(check_trusted_proxies))
         kinds.register(kinds.JobKind(KIND, process=inbound_process, schedule=inbound_schedule))

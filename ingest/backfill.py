@@ -22,6 +22,8 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
+from deliveries.core.audit import audit
+from deliveries.jobs.background import enqueue
 from deliveries.jobs.loop import Heartbeat
 from ingest.conf import settings
 
@@ -97,8 +99,6 @@ def backfill_run_start(*, run_id, actor=None):
     (ingest/jobs.py) that ``run_jobs`` runs, audited in the same transaction; nothing
     runs in the caller's request. Starting a run again before it moved (the same
     heartbeat and resume count) gives back the job already enqueued. Returns the job."""
-    from deliveries.jobs.background import enqueue
-    from deliveries.services import audit
 
     with transaction.atomic():
         run = (

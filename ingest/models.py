@@ -129,7 +129,7 @@ class InboundEvent(models.Model):
     last_error = models.TextField(blank=True)
     processed_at = models.DateTimeField(null=True, blank=True)
     # Runs only after every earlier one (by occurred_at, then received_at) of its source
-    # and entity has finished: an email with an entity (ingest.processing, "Sequenced
+    # and entity has finished: an email with an entity (ingest.worker, "Sequenced
     # events"). db_default: an older release still inserts events.
     sequenced = models.BooleanField(default=False, db_default=False)
 

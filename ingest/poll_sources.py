@@ -12,6 +12,8 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
+from deliveries.core.audit import audit
+from deliveries.jobs.background import enqueue
 from ingest.conf import settings
 
 from .changes import Cursor, PollError, adapter_for, http_json_config, read_changes
@@ -74,9 +76,6 @@ def poll_source_poll_now(*, poll: PollSource, actor=None):
     """Poll a source at once from the console: enqueue the ``ingest.poll`` job
     (ingest/jobs.py) that ``run_jobs`` runs, audited in the same transaction. Returns the
     job."""
-    from deliveries.jobs.background import enqueue
-    from deliveries.services import audit
-
     with transaction.atomic():
         job = enqueue("ingest.poll", {"slug": poll.source.slug}, tenant=poll.tenant_id)
         audit(

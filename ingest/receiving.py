@@ -3,7 +3,7 @@
 polled records (``inbound_store_many``). Each is
 inserted with its processing job, and ``UNIQUE(source, event_id)`` turns a copy, even a
 concurrent one, into a counted duplicate on the stored row. Processing is
-``ingest.processing``'s."""
+``ingest.worker``'s."""
 
 import hashlib
 import logging
@@ -26,10 +26,10 @@ from deliveries.core.signals import send_after_commit
 from . import mail
 from .conf import settings
 from .models import InboundEmail, InboundEvent, InboundState, Source
-from .queries import INSERT_EVENT, INSERT_EVENTS, KIND
 from .schemes import MAX_EVENT_ID_LENGTH, MailPost, Request, UnparseableBody, VerificationFailed
 from .signals import inbound_event_stored
 from .sources import count_refusal, email_throttle, live_secrets, verifier_for
+from .statements import INSERT_EVENT, INSERT_EVENTS, KIND
 
 logger = logging.getLogger("ingest")
 
@@ -149,7 +149,7 @@ def _insert(
 
     An event to be processed with ``not_before`` is stored ``pending`` until then, with
     no job: the scheduler admits it when it is due. ``sequenced`` (an email with an
-    entity) runs only after its entity's earlier events (ingest.processing)."""
+    entity) runs only after its entity's earlier events (ingest.worker)."""
     if not_before is not None and state == InboundState.ENQUEUED:
         state = InboundState.PENDING
     fields = {

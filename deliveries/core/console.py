@@ -32,6 +32,8 @@ from django.utils.functional import cached_property
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString, mark_safe
 
+from .audit import audit
+
 EMPTY = "—"
 
 
@@ -298,10 +300,8 @@ class AuditedEdits:
     def _audit_edit(self, request, verb: str, objects: list, count: int = 1, **details) -> None:
         if self.audited_by_services:
             return
-        from .services import _audit
-
         opts = self.model._meta
-        _audit(
+        audit(
             actor=request.user,
             action=f"{opts.app_label}.{opts.model_name}.{verb}",
             target=opts.model_name,
@@ -322,15 +322,11 @@ class AuditedEdits:
         return entry
 
     def delete_model(self, request, obj):
-        from django.db import transaction
-
         with transaction.atomic(using=self.model._default_manager.db):
             self._audit_edit(request, "delete", [obj])
             super().delete_model(request, obj)
 
     def delete_queryset(self, request, queryset):
-        from django.db import transaction
-
         with transaction.atomic(using=queryset.db):
             self._audit_edit(request, "delete", list(queryset[:100]), count=queryset.count())
             super().delete_queryset(request, queryset)

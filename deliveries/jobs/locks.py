@@ -8,8 +8,8 @@ from datetime import datetime, timedelta
 from django.utils import timezone
 
 from .models import EntityLock
-from .queries import ACQUIRE_LOCKS
-from .queries import RELEASE_SQL as RELEASE_SQL  # run inside a caller's statement
+from .statements import ACQUIRE_LOCKS
+from .statements import RELEASE_SQL as RELEASE_SQL  # run inside a caller's statement
 
 
 def entity_lock_acquire(*, key: str, owner: str, ttl: float, now: datetime | None = None) -> bool:

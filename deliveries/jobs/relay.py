@@ -19,7 +19,7 @@ from . import kinds
 from .faults import crash_point
 from .loop import Tick
 from .models import Outbox
-from .queries import CLAIM_OUTBOX_PAGE, MARK_PUBLISHED, PUBLISH_OUTBOX_PAGE
+from .statements import CLAIM_OUTBOX_PAGE, MARK_PUBLISHED, PUBLISH_OUTBOX_PAGE
 
 
 def relay_tick(*, page_size: int | None = None, b=None) -> Tick:

@@ -1,17 +1,15 @@
 """What an operator does to background jobs: replay dead ones, cancel pending ones, and
-save a recurring job. Each change is a guarded UPDATE (``job_queries``) and writes an
-audit row in the same transaction.
-
-The audit table is the products' (``deliveries.models.AuditEntry``), and the machinery
-imports no product module: the deliveries app registers its writer at start
-(``register_audit``), as the kinds register themselves. Without one, these services
-refuse rather than change anything unaudited."""
+save a recurring job. Each change is a guarded UPDATE (``background.state``) and writes
+an audit row in the same transaction (``deliveries.core.audit``: without a registered
+writer these services refuse rather than change anything unaudited)."""
 
 from collections.abc import Callable, Iterable
 
-from django.core.exceptions import ImproperlyConfigured, ValidationError
+from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.utils import timezone
+
+from deliveries.core.audit import audit
 
 from . import wakeup
 from .background.registry import JOB_TYPES
@@ -19,16 +17,8 @@ from .background.state import cancel_jobs, replay_jobs
 from .cron import next_tick
 from .models import RecurringJob
 
-AuditWriter = Callable[..., object]
-_audit_writer: list[AuditWriter] = []
 # (tenant id, name) pairs for the admin's tenant filter, from the app that owns tenants.
 _tenant_choices: list[Callable[[], list[tuple[str, str]]]] = []
-
-
-def register_audit(writer: AuditWriter) -> None:
-    """``writer(*, actor, action, target, count, **details)``, called inside the
-    transaction that makes the change."""
-    _audit_writer[:] = [writer]
 
 
 def register_tenant_choices(choices: Callable[[], list[tuple[str, str]]]) -> None:
@@ -39,17 +29,11 @@ def tenant_choices() -> list[tuple[str, str]]:
     return _tenant_choices[0]() if _tenant_choices else []
 
 
-def _audit(**entry) -> None:
-    if not _audit_writer:
-        raise ImproperlyConfigured("no audit writer is registered (deliveries' AppConfig)")
-    _audit_writer[0](**entry)
-
-
 def _audited(transition, action: str, job_ids: Iterable, actor, via: str) -> int:
     ids = list(job_ids)
     with transaction.atomic():
         count = transition(ids, timezone.now())
-        _audit(
+        audit(
             actor=actor,
             action=action,
             target="job",
@@ -101,7 +85,7 @@ def recurring_job_save(*, recurring_job: RecurringJob, actor=None, changed=None)
         )
     with transaction.atomic():
         recurring_job.save()
-        _audit(
+        audit(
             actor=actor,
             action="recurring_job.save",
             target="recurring_job",
@@ -120,7 +104,7 @@ def recurring_jobs_delete(*, recurring_job_ids: Iterable[int], actor=None) -> in
     with transaction.atomic():
         names = list(RecurringJob.objects.filter(id__in=ids).values_list("name", flat=True))
         RecurringJob.objects.filter(id__in=ids).delete()
-        _audit(
+        audit(
             actor=actor,
             action="recurring_job.delete",
             target="recurring_job",

@@ -493,7 +493,7 @@ def test_a_message_over_the_leases_inline_size_reaches_its_handler_whole(receive
     event is applied, in a batch and one by one (after another event's handler failed)."""
     from email.message import EmailMessage
 
-    from ingest.queries import LEASE_INLINE_BODY_BYTES
+    from ingest.statements import LEASE_INLINE_BODY_BYTES
 
     source = source_create(slug="mx", scheme="smtp", secrets=[], options={"addresses": ADDRESSES})
     scan = bytes(range(256)) * (LEASE_INLINE_BODY_BYTES // 256 + 1)

@@ -1,4 +1,4 @@
-"""Emails about one entity run in Date order across takes (ingest.processing, "Sequenced
+"""Emails about one entity run in Date order across takes (ingest.worker, "Sequenced
 events"): a take leases its entity's other due emails with it, the ones behind an
 unfinished earlier one wait for it (another worker's, a retry, the order window), and
 webhooks pay nothing for it. On both databases: the SQLite run covers the statements'
@@ -18,12 +18,14 @@ from deliveries.core.sql import Statement
 from deliveries.jobs.brokers import Message
 from deliveries.jobs.relay import relay_tick
 from deliveries.scheduler import scheduler_tick
-from ingest import handlers, processing, schemes
+from ingest import handlers, schemes
+from ingest import worker as processing
 from ingest.models import InboundEvent
-from ingest.processing import WAITING, inbound_process, inbound_schedule
-from ingest.queries import LEASE, LEASE_INLINE_BODY_BYTES, TAKE_SEQUENCED
 from ingest.receiving import email_receive
 from ingest.sources import source_create
+from ingest.state import inbound_schedule
+from ingest.statements import LEASE, LEASE_INLINE_BODY_BYTES, TAKE_SEQUENCED
+from ingest.worker import WAITING, inbound_process
 from tests.conftest import drain, run_workers
 from tests.ingest.conftest import ADDRESSES, message, settle
 

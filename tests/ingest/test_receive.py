@@ -490,7 +490,7 @@ def test_create_source_command(settings):
 
 def test_run_workers_processes_inbound_and_reprocess_is_audited(stripe, applied):
     from deliveries.models import AuditEntry
-    from ingest.processing import inbound_reprocess
+    from ingest.state import inbound_reprocess
 
     post(stripe_event())
     drain()

@@ -7,7 +7,7 @@ from bench import statements
 
 
 def test_the_statements_are_found_by_name_in_their_modules():
-    from deliveries.jobs import queries as job_machinery
+    from deliveries.jobs import statements as job_machinery
     from deliveries.statements import worker
 
     names = statements.named_statements()

@@ -28,7 +28,7 @@ from deliveries.core.conf import settings
 
 from .. import wakeup
 from ..models import QueueMessage
-from ..queries import (
+from ..statements import (
     ACKNOWLEDGE_MESSAGES,
     ENQUEUE_MESSAGES,
     LOCK_MESSAGES,

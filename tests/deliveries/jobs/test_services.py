@@ -6,6 +6,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from deliveries.core import audit
 from deliveries.jobs import services
 from deliveries.jobs.background import enqueue
 from deliveries.jobs.background.state import CANCELLED_REASON
@@ -66,11 +67,11 @@ def test_without_its_audit_row_no_job_changes():
     def refuse(**entry):
         raise RuntimeError("the audit table is unavailable")
 
-    saved = list(services._audit_writer)
-    services.register_audit(refuse)
+    saved = list(audit._writer)
+    audit.register_audit(refuse)
     try:
         with pytest.raises(RuntimeError):
             services.job_cancel(job_ids=[pending.id])
     finally:
-        services._audit_writer[:] = saved
+        audit._writer[:] = saved
     assert Job.objects.get(id=pending.id).state == JobState.PENDING

@@ -2,7 +2,7 @@
 text and, directly below it, the same effect written with the ORM for SQLite
 (``deliveries.core.sql.Statement``). A statement takes the same parameters and gives
 back the same shape whichever spelling runs, so ``ingest.receiving`` and
-``ingest.processing`` never ask which database they are on to store, lease or record an
+``ingest.worker`` never ask which database they are on to store, lease or record an
 event.
 
 Array parameters travel in binary format (``%(name)b::type[]``, see deliveries.core.sql).

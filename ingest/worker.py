@@ -1,12 +1,10 @@
-"""Processing inbound events, with guarded transitions on ``InboundEvent``:
-
-    enqueued ──lease──▶ processing ──finish──▶ processed | skipped | dead
-       ▲                    │         └──retry──▶ pending ──admit──▶ enqueued
-       └──lost dispatch─────┴──lease expired──▶ pending
+"""Processing inbound events: the workers lease the events their messages name, run
+their handlers under entity locks and record the outcome (the state machine is
+``ingest.state``; the statements ``ingest.statements``).
 
 The processing job rides the delivery pipeline's outbox, relay, broker and workers as job
 kind ``inbound`` (``deliveries.jobs.kinds``): the scheduler's sweeps call
-``inbound_schedule``, the workers ``inbound_process``. The retry schedule is the
+``ingest.state.inbound_schedule``, the workers ``inbound_process``. The retry schedule is the
 deliveries' policy. Events are stored by ``ingest.receiving``.
 
 Emails with an entity are *sequenced*: each runs only after the earlier ones of its
@@ -36,7 +34,9 @@ from ingest.conf import settings
 from . import mail
 from .handlers import InboundMessage, ParsedEvent, handlers_for
 from .models import HandlerRun, InboundEmail, InboundEvent, InboundState, Source
-from .queries import (
+from .schemes import Request, get_scheme
+from .state import finish
+from .statements import (
     COMPLETE,
     KIND,
     LEASE,
@@ -45,63 +45,12 @@ from .queries import (
     SOURCES,
     TAKE_SEQUENCED,
     inline_body,
-    write_outbox,
 )
-from .schemes import Request, get_scheme
 
 logger = logging.getLogger("ingest")
 
 LOCK_TTL = 60.0
 LOCK_BUSY_RETRY = 1.0
-
-
-# --- Scheduling (run by the scheduler's sweeps) -----------------------------------------
-
-
-def inbound_schedule(now: datetime, page_size: int) -> tuple[Counter, bool]:
-    """Admit due pending events, expire leases, recover lost dispatches."""
-    counts: Counter = Counter()
-    lease_cutoff = now
-    stale_cutoff = now - timedelta(seconds=settings.SCHEDULER_STALE_ENQUEUED_SECONDS)
-    with transaction.atomic():
-        expired = list(
-            InboundEvent.objects.filter(state=InboundState.PROCESSING, lease_until__lt=lease_cutoff)
-            .select_for_update(skip_locked=True)
-            .values_list("id", flat=True)[:page_size]
-        )
-        lost = list(
-            InboundEvent.objects.filter(state=InboundState.ENQUEUED, enqueued_at__lt=stale_cutoff)
-            .select_for_update(skip_locked=True)
-            .values_list("id", flat=True)[:page_size]
-        )
-        InboundEvent.objects.filter(id__in=expired, state=InboundState.PROCESSING).update(
-            state=InboundState.PENDING,
-            next_attempt_at=now,
-            lease_until=None,
-            lease_token=None,
-            last_error="lease expired",
-        )
-        InboundEvent.objects.filter(id__in=lost, state=InboundState.ENQUEUED).update(
-            state=InboundState.PENDING, next_attempt_at=now
-        )
-        counts["lease_expired"], counts["transport_lost"] = len(expired), len(lost)
-    with transaction.atomic():
-        # Uses the partial index inbound_due.
-        due = list(
-            InboundEvent.objects.filter(state=InboundState.PENDING, next_attempt_at__lte=now)
-            .select_for_update(skip_locked=True)
-            .order_by("next_attempt_at")
-            .values_list("id", flat=True)[:page_size]
-        )
-        if due:
-            InboundEvent.objects.filter(id__in=due, state=InboundState.PENDING).update(
-                state=InboundState.ENQUEUED,
-                enqueued_at=now,
-                dispatch_count=F("dispatch_count") + 1,
-            )
-            write_outbox(due, now)
-        counts["enqueued"] = len(due)
-    return counts, len(due) >= page_size
 
 
 # --- Processing (run by the workers) --------------------------------------------------
@@ -199,7 +148,7 @@ def _sources(ids: Iterable[int]) -> dict[int, _Source]:
 
 
 def _leased(row: Sequence) -> _Leased:
-    """An event as LEASE and TAKE_SEQUENCED return it (ingest.queries, LEASED_SQL)."""
+    """An event as LEASE and TAKE_SEQUENCED return it (ingest.statements, LEASED_SQL)."""
     headers = row[7] if isinstance(row[7], dict) else json.loads(row[7])
     return _Leased(*row[:7], headers, *row[8:11])
 
@@ -330,7 +279,7 @@ def _hold(held: list[tuple[_Leased, datetime]], token: uuid.UUID, counts: Counte
     for r, at in held:
         until.setdefault(at, []).append(r.id)
     for at, ids in until.items():
-        _finish(ids, token, state=InboundState.PENDING, at=at, error=WAITING,
+        finish(ids, token, state=InboundState.PENDING, at=at, error=WAITING,
                 count_attempt=False)  # fmt: skip
     slugs = dict(
         Source.objects.filter(id__in={r.source_id for r, _ in held}).values_list("id", "slug")
@@ -381,7 +330,7 @@ def _process_batch(rows: list[_Leased], token: uuid.UUID, counts: Counter) -> li
         held = entity_locks_acquire(keys=keys.values(), owner=owner, ttl=LOCK_TTL)
         busy = [event_id for event_id, key in keys.items() if key not in held]
         if busy:
-            _finish(
+            finish(
                 busy,
                 token,
                 state=InboundState.PENDING,
@@ -455,7 +404,7 @@ def _process_one(row: _Leased, source: Source, token: uuid.UUID) -> str:
     if lock_key and not entity_lock_acquire(key=lock_key, owner=owner, ttl=LOCK_TTL):
         # Another event of the same entity is being applied: try again shortly, without
         # counting it as a failure.
-        _finish(
+        finish(
             [row.id],
             token,
             state=InboundState.PENDING,
@@ -703,7 +652,7 @@ def _record_failure(row: _Leased, token, started, exc) -> None:
             outcome=HandlerRun.Outcome.ERROR,
             error=error,
         )
-        _finish(
+        finish(
             [row.id],
             token,
             state=InboundState.PENDING if delay is not None else InboundState.DEAD,
@@ -718,56 +667,3 @@ def _record_failure(row: _Leased, token, started, exc) -> None:
             "error": error[:200],
         },
     )
-
-
-def _finish(
-    ids,
-    token,
-    *,
-    state,
-    delay: float = 0.0,
-    error: str = "",
-    count_attempt: bool = True,
-    at: datetime | None = None,
-) -> int:
-    """The guarded transition out of ``processing``, for the lease holder only; back to
-    ``pending``, the event is due after ``delay`` seconds, or ``at`` if given."""
-    now = timezone.now()
-    fields = {"state": state, "lease_until": None, "lease_token": None, "last_error": error}
-    if state == InboundState.PENDING:
-        fields["next_attempt_at"] = at or now + timedelta(seconds=delay)
-        if not count_attempt:
-            fields["attempt_count"] = F("attempt_count") - 1
-    else:
-        fields["processed_at"] = now
-    return InboundEvent.objects.filter(
-        id__in=ids, state=InboundState.PROCESSING, lease_token=token
-    ).update(**fields)
-
-
-def inbound_reprocess(
-    *,
-    event_ids: Sequence[uuid.UUID],
-    actor=None,
-    action: str = "inbound.reprocess",
-    target: str = "inbound_event",
-) -> int:
-    """Process events again (staff), audited as ``action`` on ``target`` (the inbound
-    emails' page audits its own); the handlers must be idempotent for it. Rejected and
-    unfinished events are left as they are."""
-    from deliveries.services import audit
-
-    now = timezone.now()
-    with transaction.atomic():
-        n = InboundEvent.objects.filter(
-            id__in=list(event_ids),
-            state__in=[InboundState.PROCESSED, InboundState.SKIPPED, InboundState.DEAD],
-        ).update(state=InboundState.PENDING, next_attempt_at=now, attempt_count=0)
-        audit(
-            actor=actor,
-            action=action,
-            target=target,
-            count=n,
-            ids=[str(i) for i in list(event_ids)[:100]],
-        )
-    return n

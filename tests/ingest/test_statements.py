@@ -1,4 +1,4 @@
-"""ingest.queries: each statement answers alike on both databases, including a
+"""ingest.statements: each statement answers alike on both databases, including a
 batch's bookkeeping and its versions' locking read, which the one-by-one path calls for
 a batch of one."""
 
@@ -12,9 +12,9 @@ from django.utils import timezone
 
 from deliveries.jobs.models import EntityLock
 from ingest.models import EntityVersion, HandlerRun, InboundEvent, Source
-from ingest.queries import COMPLETE, LEASE, LEASE_INLINE_BODY_BYTES, LOCK_VERSIONS, SOURCES
 from ingest.receiving import NewEvent, inbound_store_many
 from ingest.sources import source_create
+from ingest.statements import COMPLETE, LEASE, LEASE_INLINE_BODY_BYTES, LOCK_VERSIONS, SOURCES
 
 pytestmark = [pytest.mark.django_db, pytest.mark.sqlite]
 
