@@ -38,7 +38,8 @@ from deliveries.selectors import egress_policy_for
 from ingest.conf import settings
 
 from .receiving import NewEvent
-from .schemes import MAX_EVENT_ID_LENGTH, _dig, _from_iso, _from_unix
+from .schemes import MAX_EVENT_ID_LENGTH
+from .schemes.base import _dig, _from_iso, _from_unix
 
 logger = logging.getLogger("ingest")
 

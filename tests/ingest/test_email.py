@@ -18,6 +18,7 @@ from deliveries.models import AuditEntry
 from ingest import handlers, mail, schemes
 from ingest.models import InboundEmail, InboundEvent, SourceSecret, VerificationFailure
 from ingest.receiving import email_receive
+from ingest.schemes import email as scheme_email
 from ingest.schemes import get_scheme
 from ingest.sources import source_create
 from tests.conftest import drain, scrape, value
@@ -286,7 +287,7 @@ def test_sendgrids_own_fields_are_recorded_beside_them():
 
 def test_a_providers_verdict_holding_nul_is_stored_escaped_not_a_500():
     source_create(slug="sg", scheme="sendgrid", secrets=[CREDENTIAL])
-    body, content_type = schemes._multipart(
+    body, content_type = scheme_email._multipart(
         [
             ("envelope", b'{"to": ["support@example.com"], "from": "ann@example.org"}'),
             ("SPF", b"pa\x00ss"),
