@@ -36,6 +36,9 @@ from .core.console import (
     state_badge,
     when,
 )
+from .core.console import (
+    panels as console_panels,
+)
 from .jobs.admin import TenantFilter
 from .jobs.admin import uuid_or_none as _uuid
 from .jobs.brokers import broker_class, takes_outbox
@@ -817,7 +820,7 @@ def overview_context(now=None) -> dict:
             }
             for h in endpoints
         ],
-        "panels": overview.panels(now),
+        "panels": console_panels(now),
         "log": log,
     }
 

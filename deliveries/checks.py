@@ -1,12 +1,11 @@
 """System checks: a misconfigured setting fails loudly with a stable id."""
 
-import functools
 import ipaddress
 
 from django.core.checks import Error, Info, Tags, Warning, register
 from django.db import DatabaseError, connections
 
-from deliveries.core.conf import POOLERS, setting_problems, settings
+from deliveries.core.conf import POOLERS, on_readable_settings, setting_problems, settings
 
 
 @register()
@@ -21,17 +20,6 @@ def check_setting_types(app_configs, **kwargs):
         )
         for check_id, message in setting_problems()
     ]
-
-
-def on_readable_settings(check):
-    """The checks of what the settings mean run once every setting reads as its type:
-    before, ``check_setting_types`` has said what is wrong, once."""
-
-    @functools.wraps(check)
-    def checked(app_configs, **kwargs):
-        return [] if setting_problems() else check(app_configs, **kwargs)
-
-    return checked
 
 
 @register()

@@ -9,12 +9,11 @@ the same at a thousand deliveries as at millions:
 - dead letters by reason (the partial index delivery_dead) and their trend by the hour;
 - the queue: deliveries due and in flight, broker depth, oldest due age, relay lag;
 - the loops' heartbeats (looprun_kind_started);
-- panels other apps register (``register_panel``): inbound receipts and refusals come
-  from ingest, which deliveries does not import.
+- panels other apps register (``deliveries.core.console.register_panel``): inbound
+  receipts and refusals come from ingest, which deliveries does not import.
 """
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -322,17 +321,3 @@ def loops(now: datetime) -> list[Loop]:
 
 
 # --- Panels of other apps --------------------------------------------------------------
-
-Panel = Callable[[datetime], dict]
-PANELS: dict[str, Panel] = {}
-
-
-def register_panel(name: str, panel: Panel) -> None:
-    """``panel(now) -> {"title", "template", ...}``: a section of the overview, rendered
-    with its template and the dict as context. Apps register from AppConfig.ready (ingest:
-    inbound receipts and refusals)."""
-    PANELS[name] = panel
-
-
-def panels(now: datetime) -> list[dict]:
-    return [panel(now) for panel in PANELS.values()]

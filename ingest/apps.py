@@ -18,9 +18,9 @@ class IngestConfig(AppConfig):
         from django.core.checks import register
         from django.db.models.signals import post_delete, post_save
 
-        from deliveries import overview
-        from deliveries.checks import on_readable_settings
         from deliveries.core import alerts, retention
+        from deliveries.core.conf import on_readable_settings
+        from deliveries.core.console import register_panel
         from deliveries.core.prometheus import register_provider
         from deliveries.jobs import kinds
 
@@ -39,7 +39,7 @@ class IngestConfig(AppConfig):
         kinds.register(kinds.JobKind(KIND, process=inbound_process, schedule=inbound_schedule))
         register_provider("inbound", inbound_gauges)
         register_provider("polling", polling_gauges)
-        overview.register_panel("inbound", inbound_overview)
+        register_panel("inbound", inbound_overview)
         alerts.register_check("verification_failures", verification_failure_check)
         retention.register(inbound_pruner)
         for model in (Source, SourceSecret):

@@ -217,7 +217,7 @@ RECEIPTS_CAP = 100_000
 
 
 def inbound_overview(now: datetime) -> dict:
-    """The overview's inbound section (deliveries.overview.register_panel): per source,
+    """The overview's inbound section (deliveries.core.console.register_panel): per source,
     events received in the last 24 hours (inbound_source_received, capped), duplicates
     among them, and refusals (VerificationFailure: one row per source and reason, with
     its latest time); events waiting and dead (their partial indexes)."""

@@ -18,6 +18,7 @@ default. Anything
 else is the system check ``deliveries.E040``, one per setting, naming the type it got.
 """
 
+import functools
 import math
 import numbers
 from collections.abc import Mapping
@@ -427,3 +428,14 @@ def q_cluster(
         "save_limit": 250,
         "catch_up": False,
     }
+
+
+def on_readable_settings(check):
+    """The checks of what the settings mean run once every setting reads as its type:
+    before, ``check_setting_types`` has said what is wrong, once."""
+
+    @functools.wraps(check)
+    def checked(app_configs, **kwargs):
+        return [] if setting_problems() else check(app_configs, **kwargs)
+
+    return checked

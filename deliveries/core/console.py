@@ -391,3 +391,20 @@ class ReadOnlyAdmin(AuditedEdits, ConsoleAdmin, admin.ModelAdmin):
 
     def has_delete_permission(self, request, obj=None):
         return False
+
+
+# --- The overview's panels -----------------------------------------------------------
+
+Panel = Callable[[datetime], dict]
+PANELS: dict[str, Panel] = {}
+
+
+def register_panel(name: str, panel: Panel) -> None:
+    """``panel(now) -> {"title", "template", ...}``: a section of the overview, rendered
+    with its template and the dict as context. Apps register from AppConfig.ready (ingest:
+    inbound receipts and refusals)."""
+    PANELS[name] = panel
+
+
+def panels(now: datetime) -> list[dict]:
+    return [panel(now) for panel in PANELS.values()]
