@@ -39,7 +39,9 @@ from deliveries.core.conf import settings
 from deliveries.core.prometheus import OPERATIONAL_EVENTS, TENANT_NOTIFICATIONS
 
 from . import catalogue
+from .jobs.models import Job, JobState
 from .models import AlertCheckpoint, Delivery, DeliveryState, Endpoint, OperationalEvent, Tenant
+from .services import DomainError, publish_event
 
 logger = logging.getLogger("deliveries.alerts")
 
@@ -199,7 +201,6 @@ register_check("dead_letters", dead_letter_check)
 def dead_job_check(now: datetime) -> list[Signal]:
     """The host's background jobs that went dead since the previous check (index
     job_dead), counted by type, with the latest ten and their reasons."""
-    from .jobs.models import Job, JobState
 
     with checked_since("dead_jobs", now) as since:
         dead = Job.objects.filter(state=JobState.DEAD, finished_at__gt=since, finished_at__lte=now)
@@ -324,7 +325,6 @@ def _publish_alert(incident: OperationalEvent) -> str:
     the claiming transaction (so it exists exactly when the claim does)."""
     if not settings.ALERTS_TENANT:
         return "off"
-    from .services import publish_event
 
     tenant = Tenant.objects.filter(name=settings.ALERTS_TENANT).first()
     if tenant is None:
@@ -392,7 +392,6 @@ def _publish_tenant_notice(incident: OperationalEvent) -> str:
     """The tenant's webhook, in the claiming transaction: an event of the incident's
     tenant type to the tenant's enabled endpoints whose filter names it (an empty filter
     does not: operational notices are asked for), never to the endpoint it is about."""
-    from .services import DomainError, publish_event
 
     event_type = TENANT_EVENT_TYPES[incident.kind]
     endpoint = _incident_endpoint(incident)

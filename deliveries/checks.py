@@ -7,6 +7,12 @@ from django.db import DatabaseError, connections
 
 from deliveries.core.conf import POOLERS, on_readable_settings, setting_problems, settings
 
+from .core.encryption import FROM_SECRET_KEY, encrypts_under_derived_key, key_problem
+from .core.retry import RetryPolicy
+from .jobs import connections as pooling
+from .jobs.brokers import QUEUES_SHARED, broker_class, shares_tasks_queue
+from .portal.theme import color_problems
+
 
 @register()
 def check_setting_types(app_configs, **kwargs):
@@ -25,7 +31,6 @@ def check_setting_types(app_configs, **kwargs):
 @register()
 @on_readable_settings
 def check_delivery_settings(app_configs, **kwargs):
-    from .core.retry import RetryPolicy
 
     errors = []
     try:
@@ -74,7 +79,6 @@ def check_delivery_settings(app_configs, **kwargs):
     for name in ("WORKER_LANES", "WORKER_BATCH_SIZE", "WORKER_CONCURRENCY"):
         if getattr(settings, name) < 1:
             errors.append(Error(f"{name} must be at least 1.", id="deliveries.E021"))
-    from .jobs.brokers import QUEUES_SHARED, broker_class, shares_tasks_queue
 
     if shares_tasks_queue():
         errors.append(Error(QUEUES_SHARED, id="deliveries.E007"))
@@ -98,7 +102,6 @@ def check_delivery_settings(app_configs, **kwargs):
 def check_portal_settings(app_configs, **kwargs):
     """The portal's look and links: colours that are CSS colours (a setting must not
     inject CSS), a link life the maximum allows, and the session middleware it needs."""
-    from .portal.theme import color_problems
 
     errors = [Error(p, id="deliveries.E060") for p in color_problems(settings.PORTAL_COLORS)]
     if not 1 <= settings.PORTAL_LINK_TTL <= settings.PORTAL_LINK_MAX_TTL:
@@ -125,7 +128,6 @@ def check_portal_settings(app_configs, **kwargs):
 def check_encryption_keys(app_configs, **kwargs):
     """Every SECRETS_ENCRYPTION_KEYS entry must be a Fernet key: a bad one would fail
     the first secret read or written, not the start."""
-    from .core.encryption import FROM_SECRET_KEY, key_problem
 
     errors = []
     for position, key in enumerate(settings.SECRETS_ENCRYPTION_KEYS, start=1):
@@ -148,7 +150,6 @@ def check_encryption_keys_set(app_configs, **kwargs):
     """Without SECRETS_ENCRYPTION_KEYS the stored secrets are encrypted under a key
     derived from SECRET_KEY: they are then only as safe as SECRET_KEY, and rotating
     SECRET_KEY would make every one of them unreadable."""
-    from .core.encryption import encrypts_under_derived_key
 
     if not encrypts_under_derived_key():
         return []
@@ -265,7 +266,6 @@ def check_pooler(app_configs, databases=None, **kwargs):
     """What transaction pooling would break (deliveries/jobs/connections.py): statically
     from the settings; with ``check --database``, also whether the server is reached
     through a pooler in transaction mode that ``DATABASE_POOLER`` does not name."""
-    from .jobs import connections as pooling
 
     hint = 'docs/deployment.md, "More than one machine".'
     if settings.DATABASE_POOLER not in POOLERS:
@@ -349,20 +349,19 @@ def listen_url_messages(pooling, hint: str) -> list:
 def check_connection_budget(app_configs, databases=None, **kwargs):
     """``check --database default``: the connections the deployment described by
     ``DEPLOY_HOSTS`` and ``DEPLOY_PROCESSES`` opens, against what the server allows."""
-    from .jobs import connections as budget
 
-    counts, problems = budget.deploy_processes()
+    counts, problems = pooling.deploy_processes()
     if problems:
         return [Error(p, hint=BUDGET_HINT, id="deliveries.E015") for p in problems]
     if not counts or "default" not in (databases or ()):
         return []
-    available = budget.server_connections_available("default")
+    available = pooling.server_connections_available("default")
     if available is None:
         return []  # no server to ask: check_database_server says why
     hosts = settings.DEPLOY_HOSTS
-    pooled = budget.pooled_per_host(counts) * hosts
-    listening = budget.listeners_per_host(counts) * hosts
-    if budget.transaction_pooled():
+    pooled = pooling.pooled_per_host(counts) * hosts
+    listening = pooling.listeners_per_host(counts) * hosts
+    if pooling.transaction_pooled():
         # The pooler opens the server connections; the processes' count is its clients.
         need = settings.DEPLOY_POOLER_CONNECTIONS + listening
         spent = (

@@ -5,6 +5,8 @@ from django.db import DatabaseError, connection
 from django.db.migrations.executor import MigrationExecutor
 from django.http import JsonResponse
 
+from deliveries.jobs.brokers import get_broker
+
 
 def healthz(request):
     return JsonResponse({"status": "ok"})
@@ -22,8 +24,6 @@ def readyz(request):
     except DatabaseError:
         checks["database"] = "unavailable"
     try:
-        from deliveries.jobs.brokers import get_broker
-
         checks["broker"] = "ok" if get_broker().ping() else "unavailable"
     except Exception:
         checks["broker"] = "unavailable"

@@ -17,6 +17,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from deliveries.core.conf import settings
 from deliveries.core.prometheus import add_state_counts
 
+from .jobs.brokers import get_broker
 from .jobs.models import LoopRun, Outbox
 from .models import Delivery, DeliveryState
 from .statements import admit, reads
@@ -88,8 +89,6 @@ def delivery_gauges(now: float) -> Iterable[Metric]:
         "broker (other brokers). Index outbox_unpublished.",
         value=unpublished.count(),
     )
-
-    from .jobs.brokers import get_broker
 
     b = get_broker()
     depth = GaugeMetricFamily(

@@ -20,6 +20,7 @@ from datetime import datetime, timedelta
 from django.db.models import Count, Sum
 from django.db.models.functions import Trunc
 
+from .jobs.brokers import get_broker
 from .jobs.models import LoopRun, Outbox
 from .models import (
     LATENCY_BOUNDS_MS,
@@ -263,7 +264,6 @@ def queue(now: datetime) -> Queue:
     (oldest,) = reads.OLDEST_DUE()
     unpublished = Outbox.objects.filter(published_at__isnull=True)
     first = unpublished.order_by("id").values_list("created_at", flat=True).first()
-    from .jobs.brokers import get_broker
 
     try:
         depth = get_broker().queue_size()

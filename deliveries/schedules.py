@@ -6,6 +6,8 @@ optional croniter package) or any other task runner. ``run_scheduler --once``,
 ``install_schedules`` (``manage.py install_schedules``) creates the maintenance rows:
 ``prune_pass`` hourly and ``alerts_pass`` every minute."""
 
+from .alerts import alerts_check
+from .core.retention import prune
 from .jobs.relay import relay_tick
 from .scheduler import scheduler_tick
 
@@ -19,13 +21,11 @@ def relay_pass() -> dict:
 
 
 def prune_pass() -> dict:
-    from .core.retention import prune
 
     return dict(prune())
 
 
 def alerts_pass() -> dict:
-    from .alerts import alerts_check
 
     return dict(alerts_check())
 

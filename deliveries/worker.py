@@ -57,6 +57,7 @@ from deliveries.core.prometheus import (
 )
 
 from . import state
+from .alerts import endpoint_disabled_signal
 from .core import tracing
 from .core.egress import EgressError, EgressSession
 from .core.headers import DROPPED, REDACTED, sendable_headers
@@ -285,7 +286,6 @@ def _record_disabled(endpoint_ids) -> None:
     """The incident for endpoints this worker disabled (deliveries/alerts.py). The
     deliveries are recorded already; failing to record the incident is logged, never
     allowed to stop the lane."""
-    from .alerts import endpoint_disabled_signal
 
     close_old_connections()
     try:

@@ -23,6 +23,7 @@ from .backfill import (
     backfill_run_create,
     backfill_run_start,
 )
+from .changes import http_json_config
 from .models import (
     BackfillRun,
     HandlerRun,
@@ -267,7 +268,6 @@ class PollSourceForm(forms.ModelForm):
             self.instance.auth_secret = self.cleaned_data["auth_secret"]
 
     def clean_config(self):
-        from .changes import http_json_config
 
         try:
             http_json_config(self.cleaned_data["config"] or {})

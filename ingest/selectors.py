@@ -6,7 +6,14 @@ import contextlib
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from .models import BackfillRun, BackfillState
+from .models import (
+    BackfillRun,
+    BackfillState,
+    InboundEvent,
+    InboundState,
+    Source,
+    VerificationFailure,
+)
 
 
 @dataclass(frozen=True)
@@ -222,8 +229,6 @@ def inbound_overview(now: datetime) -> dict:
     among them, and refusals (VerificationFailure: one row per source and reason, with
     its latest time); events waiting and dead (their partial indexes)."""
     from django.db.models import Count, Sum
-
-    from .models import InboundEvent, InboundState, Source, VerificationFailure
 
     since = now - timedelta(hours=24)
     sources = []

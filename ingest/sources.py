@@ -19,6 +19,7 @@ from deliveries.core import encryption, ratelimit
 from deliveries.core.prometheus import INBOUND_REFUSED
 from ingest.conf import settings
 
+from .mail import split_plus
 from .models import Source, SourceSecret, VerificationFailure
 from .schemes import address_in, get_scheme
 
@@ -94,7 +95,6 @@ def email_throttle(source: Source, *, sender: str = "", recipient: str = "") -> 
     flood) is past its per-minute limit (``INBOUND_EMAIL_RATE_PER_SENDER``,
     ``..._PER_RECIPIENT``; 0: none), else None. Counted in the shared cache like
     ``source_throttle``: the limit holds across every listener and web process."""
-    from .mail import split_plus
 
     for kind, address, limit in (
         ("sender", sender, settings.INBOUND_EMAIL_RATE_PER_SENDER),

@@ -24,6 +24,7 @@ from ..models import (
     Event,
     EventType,
 )
+from ..portal.links import enter_path, portal_link_create
 from . import serializers as s
 from .auth import ApiKeyAuthentication, ApiKeyThrottle, IsTenant
 from .base import ProductAPIView, extend_schema
@@ -360,7 +361,6 @@ class PortalLinkViewSet(TenantScoped, viewsets.ViewSet):
     def create(self, request):
         """A short-lived, single-use link that opens this tenant's portal. Hand it to
         the customer's browser at once; it is not a resource to fetch later."""
-        from ..portal.links import enter_path, portal_link_create
 
         data = s.PortalLinkInput(data=request.data)
         data.is_valid(raise_exception=True)

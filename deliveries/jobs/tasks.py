@@ -31,10 +31,12 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
+from deliveries.core.retry import RetryPolicy
 from deliveries.core.text import MAX_JSON_DEPTH, json_problem
 
 from .background import JOB_TYPES, Fail, JobType, current_job, enqueue_job
 from .models import Job, JobOutcome, JobState
+from .selectors import job_with_runs
 
 try:  # Django 6.0 and later
     from django.tasks import TaskContext, TaskResult, TaskResultStatus
@@ -219,7 +221,6 @@ else:
             )
 
         def _policy(self, schedule, jitter):
-            from deliveries.core.retry import RetryPolicy
 
             shared = RetryPolicy.from_settings()
             try:
@@ -326,7 +327,6 @@ else:
             """The ``TaskResult`` of a task's job, read from its row and runs. An id that
             is no job, or a job that is not a task's (a @job's, or a task this process
             cannot import), raises ``TaskResultDoesNotExist``."""
-            from .selectors import job_with_runs
 
             try:
                 job_id = UUID(str(result_id))

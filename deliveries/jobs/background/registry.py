@@ -82,7 +82,6 @@ class JobType:
         return self.timeout + settings.JOBS_LEASE_MARGIN
 
     def policy(self) -> "RetryPolicy":
-        from deliveries.core.retry import RetryPolicy
 
         return self.retry or RetryPolicy.from_settings()
 
@@ -172,8 +171,6 @@ def job(
     if version < 1:
         raise ValueError("version starts at 1")
     if isinstance(retry, Mapping):
-        from deliveries.core.retry import RetryPolicy
-
         retry = RetryPolicy(**retry)
 
     def register(fn: Callable) -> JobFunction:
