@@ -1,6 +1,6 @@
 """Inbound email: what the receive paths and the handlers read of a message.
 
-Pure, like ``ingest/schemes.py``: no database, no settings (the limits are passed in),
+Pure, like ``ingest/schemes/``: no database, no settings (the limits are passed in),
 no network (a DKIM lookup function is passed in). The SMTP listener, the mail providers'
 inbound-parse schemes and the workers all read messages through it:
 

@@ -63,7 +63,7 @@ def statement_cursor(db):
 
 class Statement:
     """One statement of the hot path, defined once by name in its component's
-    ``queries`` module: its PostgreSQL text, run on ``statement_cursor``, and beside it
+    statements module: its PostgreSQL text, run on ``statement_cursor``, and beside it
     (``@STATEMENT.elsewhere``) the same effect written with the ORM for the other
     databases (SQLite). Calling the statement picks the spelling for the connection's
     database: this is the one place where the two differ.

@@ -1,7 +1,7 @@
 """The worker of the host's background jobs (``manage.py run_jobs``).
 
 One thread (the caller's) owns the database work: it claims up to the free slots in one
-statement (``job_queries.CLAIM_JOBS``), takes the entity locks, starts the jobs, and
+statement (``statements.CLAIM_JOBS``), takes the entity locks, starts the jobs, and
 records whatever finished since its last pass in one statement (``RECORD_JOBS``): no
 transaction is open while a job runs. Plain functions run in a pool of ``concurrency``
 threads; coroutines on the worker's event loop, a thread of its own. A finished job, a
