@@ -5,7 +5,7 @@ from django.db import DatabaseError, connection
 from django.db.migrations.executor import MigrationExecutor
 from django.http import JsonResponse
 
-from deliveries.jobs.brokers import get_broker
+from deliveries.jobs import brokers
 
 
 def healthz(request):
@@ -24,7 +24,7 @@ def readyz(request):
     except DatabaseError:
         checks["database"] = "unavailable"
     try:
-        checks["broker"] = "ok" if get_broker().ping() else "unavailable"
+        checks["broker"] = "ok" if brokers.get_broker().ping() else "unavailable"
     except Exception:
         checks["broker"] = "unavailable"
     ready = all(v == "ok" for v in checks.values())
